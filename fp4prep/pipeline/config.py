@@ -1,0 +1,108 @@
+"""Typed input and output of ``run``."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from .progress import CancelCheck, ProgressCallback
+from .recipes import Thresholds
+
+
+@dataclass
+class PipelineConfig:
+    """Everything one preparation run needs. Paths are local directories or files."""
+
+    base_dir: Path
+    output_dir: Path
+    quantization: str = "nvfp4"
+    adapter_dir: Path | None = None
+    calibration_file: Path | None = None
+    # General text: a .txt file (blank-line separated documents) or a JSONL of {"text": ...};
+    # None uses the embedded offline default.
+    general_text_file: Path | None = None
+    # JSONL of {"messages", "expected"}: the adapter's task, scored on BF16 and quantized models.
+    # None looks for fp4prep_eval.jsonl in the adapter directory.
+    eval_file: Path | None = None
+    calibration_tokens: int = 8192  # both halves together
+    sequence_length: int = 512
+    user_token_minimum: int = 0
+    holdout_fraction: float = 0.1
+    parity_prompts: int = 16
+    continuation_tokens: int = 16
+    seed: int = 0
+    # Shown in the model card: base and adapter IDs, revision, job, ...
+    lineage: dict[str, Any] = field(default_factory=dict)
+    thresholds: Thresholds | None = None  # None: the recipe's own
+    progress: ProgressCallback | None = None
+    should_cancel: CancelCheck | None = None
+
+    def __post_init__(self) -> None:
+        self.base_dir = Path(self.base_dir)
+        self.output_dir = Path(self.output_dir)
+        for name in ("adapter_dir", "calibration_file", "general_text_file", "eval_file"):
+            value = getattr(self, name)
+            if value is not None:
+                setattr(self, name, Path(value))
+
+
+@dataclass
+class CorpusStats:
+    user_tokens: int
+    general_tokens: int
+    conversations: int
+    held_out_conversations: int
+    sequences: int
+    calibration_sha256: str | None
+
+
+@dataclass
+class ParityReport:
+    """Behaviour of the quantized checkpoint against the BF16 merged model."""
+
+    prompts: int
+    tokens: int
+    top1_agreement: float
+    mean_kl: float
+    identical_greedy: float
+
+
+@dataclass
+class RetentionReport:
+    """How much of the adapter's change survived quantization, per quantized tensor."""
+
+    pooled: float
+    minimum: float
+    median: float
+    per_tensor: dict[str, float]
+
+
+@dataclass
+class TaskReport:
+    """The adapter's own task, scored on the BF16 merged model and on the checkpoint."""
+
+    prompts: int
+    bf16_success: float
+    quantized_success: float
+
+
+@dataclass
+class PipelineResult:
+    output_dir: Path
+    quantization: str
+    stage_seconds: dict[str, float]
+    bf16_bytes: int
+    output_bytes: int
+    corpus: CorpusStats
+    parity: ParityReport
+    reload_max_logit_diff: float
+    retention: RetentionReport | None
+    expert_tokens: dict[str, list[int]]
+    checks: list[str]
+    task: TaskReport | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        data = asdict(self)
+        data["output_dir"] = str(self.output_dir)
+        return data

@@ -1,0 +1,174 @@
+"""The calibration corpus: half the user's conversations, half general text, by tokens.
+
+Conversations go through the model's own chat template (tools included). A fixed share of them
+is held back, never calibrated on, for the parity check against the BF16 model.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import random
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from . import conversations, general_text
+from .config import CorpusStats
+from .errors import UserError
+
+
+@dataclass
+class ParityExample:
+    """A held-back sample: the full token sequence, and the prompt for a greedy continuation."""
+
+    input_ids: list[int]
+    prompt_ids: list[int]
+
+
+@dataclass
+class Corpus:
+    sequences: list[torch.Tensor]  # each [sequence_length]
+    parity: list[ParityExample]
+    stats: CorpusStats
+    held_out_lines: list[int] = field(default_factory=list)
+
+
+def file_sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _template_kwargs(conversation: conversations.Conversation) -> dict[str, Any]:
+    return {"tools": conversation.tools} if conversation.tools else {}
+
+
+def _messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    # Templates without tool-call support concatenate content; None would break them.
+    return [m if m.get("content") is not None else {**m, "content": ""} for m in messages]
+
+
+def render(tokenizer: Any, conversation: conversations.Conversation) -> list[int]:
+    try:
+        text = tokenizer.apply_chat_template(
+            _messages(conversation.messages), tokenize=False, **_template_kwargs(conversation)
+        )
+    except Exception as exc:  # jinja raises its own types for template misuse
+        raise UserError(
+            f"calibration file line {conversation.line}: the model's chat template "
+            f"could not render this conversation ({exc})"
+        ) from None
+    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+def render_prompt(tokenizer: Any, conversation: conversations.Conversation) -> list[int]:
+    """The conversation up to its last assistant turn, ready for the model to answer."""
+    messages = _messages(conversation.messages)
+    last = max((i for i, m in enumerate(messages) if m["role"] == "assistant"), default=len(messages))
+    head = messages[:last] or messages[:1]
+    text = tokenizer.apply_chat_template(
+        head, tokenize=False, add_generation_prompt=True, **_template_kwargs(conversation)
+    )
+    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+def _take(streams: Iterable[list[int]], budget: int) -> list[int]:
+    tokens: list[int] = []
+    for ids in streams:
+        tokens.extend(ids)
+        if len(tokens) >= budget:
+            return tokens[:budget]
+    return tokens
+
+
+def _chunks(tokens: list[int], length: int) -> list[torch.Tensor]:
+    return [
+        torch.tensor(tokens[i : i + length], dtype=torch.long)
+        for i in range(0, len(tokens) - length + 1, length)
+    ]
+
+
+def build(
+    tokenizer: Any,
+    *,
+    calibration_file: Path | None,
+    general_text_file: Path | None,
+    total_tokens: int,
+    sequence_length: int,
+    user_token_minimum: int,
+    holdout_fraction: float,
+    parity_prompts: int,
+    seed: int,
+    report: Callable[[float], None] = lambda f: None,
+) -> Corpus:
+    half = total_tokens // 2 if calibration_file is not None else total_tokens
+    rng = random.Random(seed)
+    parity: list[ParityExample] = []
+    user_tokens: list[int] = []
+    held_lines: list[int] = []
+    n_conversations = 0
+    sha = None
+    if calibration_file is not None:
+        sha = file_sha256(calibration_file)
+        convs = conversations.read(calibration_file)
+        n_conversations = len(convs)
+        order = list(range(len(convs)))
+        rng.shuffle(order)
+        n_held = min(max(1, round(len(convs) * holdout_fraction)), len(convs) - 1) if len(convs) > 1 else 0
+        held = sorted(order[:n_held])
+        kept = order[n_held:]
+        rendered = []
+        for i, index in enumerate(kept):
+            rendered.append(render(tokenizer, convs[index]))
+            if sum(map(len, rendered)) >= half:
+                break
+            if i % 16 == 0:
+                report(0.5 * i / max(1, len(kept)))
+        user_tokens = _take(rendered, half)
+        if len(user_tokens) < max(user_token_minimum, sequence_length):
+            needed = max(user_token_minimum, sequence_length)
+            raise UserError(
+                f"the calibration file supplies {len(user_tokens):,} tokens after the chat template "
+                f"(held-back conversations excluded), and at least {needed:,} are needed to fill "
+                "its half of the calibration corpus: add more conversations and retry"
+            )
+        for index in held[:parity_prompts]:
+            ids = render(tokenizer, convs[index])[:sequence_length]
+            prompt = render_prompt(tokenizer, convs[index])[: sequence_length // 2]
+            parity.append(ParityExample(ids, prompt))
+        held_lines = [convs[i].line for i in held]
+    general_budget = half if calibration_file is not None else total_tokens
+    docs = general_text.documents(general_text_file)
+    general_stream = (list(tokenizer(d, add_special_tokens=False)["input_ids"]) for d in docs)
+    general_tokens = _take(general_stream, general_budget + parity_prompts * sequence_length)
+    report(0.9)
+    if len(general_tokens) < min(general_budget, sequence_length):
+        raise UserError("the general text source is too small for one calibration sequence")
+    spare = general_tokens[general_budget:]
+    general_tokens = general_tokens[:general_budget]
+    if not parity:
+        # Without held-back conversations, parity runs on general text never calibrated on.
+        for chunk in _chunks(spare, sequence_length)[:parity_prompts]:
+            ids = chunk.tolist()
+            parity.append(ParityExample(ids, ids[: sequence_length // 4]))
+    user_sequences = _chunks(user_tokens, sequence_length)
+    general_sequences = _chunks(general_tokens, sequence_length)
+    sequences = [s for pair in zip(user_sequences, general_sequences) for s in pair]
+    longer = user_sequences if len(user_sequences) > len(general_sequences) else general_sequences
+    sequences.extend(longer[min(len(user_sequences), len(general_sequences)):])
+    if not parity:
+        raise UserError("no held-back text is left for the parity check: provide more data")
+    stats = CorpusStats(
+        user_tokens=sum(len(s) for s in user_sequences),
+        general_tokens=sum(len(s) for s in general_sequences),
+        conversations=n_conversations,
+        held_out_conversations=len(held_lines),
+        sequences=len(sequences),
+        calibration_sha256=sha,
+    )
+    return Corpus(sequences, parity, stats, held_lines)

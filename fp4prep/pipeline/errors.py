@@ -1,0 +1,15 @@
+"""The pipeline's exceptions: what the user must fix, what went wrong on our side, and a stop."""
+
+from __future__ import annotations
+
+
+class PipelineError(Exception):
+    """Something failed on our side; retrying may help. The message is safe to show a user."""
+
+
+class UserError(PipelineError):
+    """The input is at fault (adapter, base, calibration file); the message says how to fix it."""
+
+
+class Cancelled(Exception):  # noqa: N818 - reads as a state, like KeyboardInterrupt
+    """The run stopped because its cancellation check said so."""

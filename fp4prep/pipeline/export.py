@@ -1,0 +1,162 @@
+"""Writing the checkpoint serving engines load as is.
+
+NVFP4 and FP8 go out through ModelOpt's unified Hugging Face export. MXFP4 is written in
+compressed-tensors' ``mxfp4-pack-quantized`` layout, because vLLM's ModelOpt loader does not accept
+ModelOpt's own ``mxfp4`` export; the packed bytes and E8M0 scales carry over unchanged, only names
+and the config change. ``to_compressed_tensors`` does that renaming for NVFP4 too (used to let
+compressed-tensors give a second opinion on our checkpoints).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from importlib.metadata import PackageNotFoundError, version
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from .errors import PipelineError
+from .recipes import Recipe
+
+QUANT_CONFIG_FILE = "hf_quant_config.json"
+LINEAGE_FILE = "fp4prep.json"
+
+
+def export(model: torch.nn.Module, recipe: Recipe, tokenizer: Any, output_dir: Path) -> None:
+    from modelopt.torch.export import export_hf_checkpoint
+
+    output_dir.mkdir(parents=True, exist_ok=True)
+    with torch.no_grad():
+        export_hf_checkpoint(model, dtype=torch.bfloat16, export_dir=output_dir)
+    tokenizer.save_pretrained(output_dir)
+    if recipe.layout == "compressed-tensors":
+        to_compressed_tensors(output_dir, output_dir)
+
+
+def _fnmatch_to_ct(pattern: str) -> str:
+    if not any(c in pattern for c in "*?["):
+        return pattern
+    return "re:" + re.escape(pattern).replace(r"\*", ".*").replace(r"\?", ".") + "$"
+
+
+def _ct_scheme(quant_algo: str) -> tuple[str, dict[str, Any], dict[str, Any] | None]:
+    if quant_algo == "NVFP4":
+        weights = {"num_bits": 4, "type": "float", "strategy": "tensor_group", "group_size": 16,
+                   "symmetric": True, "dynamic": False, "scale_dtype": "torch.float8_e4m3fn"}
+        inputs = {**weights, "dynamic": "local", "observer": "static_minmax"}
+        return "nvfp4-pack-quantized", weights, inputs
+    if quant_algo.lower() == "mxfp4":
+        weights = {"num_bits": 4, "type": "float", "strategy": "group", "group_size": 32,
+                   "symmetric": True, "dynamic": False, "scale_dtype": "torch.uint8"}
+        return "mxfp4-pack-quantized", weights, {**weights, "dynamic": True}
+    raise PipelineError(f"no compressed-tensors layout for {quant_algo}")
+
+
+def to_compressed_tensors(src: Path, dst: Path) -> None:
+    """Rewrite a ModelOpt NVFP4/MXFP4 export in compressed-tensors' pack-quantized layout.
+
+    Exact: packed bytes and block scales are copied; NVFP4 global scales become CT's reciprocal
+    ``*_global_scale`` divisors.
+    """
+    quant_config_path = src / QUANT_CONFIG_FILE
+    modelopt_config = json.loads(quant_config_path.read_text())["quantization"]
+    quant_algo = modelopt_config["quant_algo"]
+    fmt, weights, inputs = _ct_scheme(quant_algo)
+    dst.mkdir(parents=True, exist_ok=True)
+    for path in sorted(src.glob("*.safetensors")):
+        out: dict[str, torch.Tensor] = {}
+        with safe_open(str(path), "pt") as f:
+            keys = list(f.keys())
+            packed = {k[: -len(".weight")] for k in keys if k.endswith(".weight_scale")}
+            for key in keys:
+                tensor = f.get_tensor(key)
+                module, _, leaf = key.rpartition(".")
+                if module in packed and leaf == "weight":
+                    out[f"{module}.weight_packed"] = tensor
+                elif module in packed and leaf == "weight_scale_2":
+                    out[f"{module}.weight_global_scale"] = (1.0 / tensor.float()).reshape(1)
+                elif module in packed and leaf == "input_scale":
+                    out[f"{module}.input_global_scale"] = (1.0 / tensor.float()).reshape(1)
+                else:
+                    out[key] = tensor
+        save_file(out, str(dst / path.name), metadata={"format": "pt"})
+    index = src / "model.safetensors.index.json"
+    if index.is_file():
+        data = json.loads(index.read_text())
+        weight_map = {}
+        for path in sorted(dst.glob("*.safetensors")):
+            with safe_open(str(path), "pt") as f:
+                weight_map.update(dict.fromkeys(f.keys(), path.name))
+        data["weight_map"] = weight_map
+        (dst / index.name).write_text(json.dumps(data, indent=2))
+    config = json.loads((src / "config.json").read_text())
+    ignore = [_fnmatch_to_ct(p) for p in modelopt_config.get("exclude_modules", [])]
+    group = {"format": fmt, "targets": ["Linear"], "weights": weights,
+             "input_activations": inputs, "output_activations": None}
+    config["quantization_config"] = {
+        "quant_method": "compressed-tensors",
+        "format": fmt,
+        "quantization_status": "compressed",
+        "version": _version("compressed-tensors") or "0.20.1",
+        "config_groups": {"group_0": group},
+        "ignore": ignore,
+        "kv_cache_scheme": None,
+        "sparsity_config": {},
+        "transform_config": {},
+        "global_compression_ratio": None,
+    }
+    (dst / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    if dst == src:
+        quant_config_path.unlink()  # one declared format per checkpoint
+
+
+def _version(package: str) -> str | None:
+    try:
+        return version(package)
+    except PackageNotFoundError:
+        return None
+
+
+def tool_versions() -> dict[str, str | None]:
+    import fp4prep
+
+    return {
+        "fp4prep": fp4prep.__version__,
+        **{p: _version(p) for p in ("nvidia-modelopt", "torch", "transformers", "peft", "safetensors")},
+    }
+
+
+def write_model_card(output_dir: Path, lineage: dict[str, Any]) -> None:
+    """The lineage as JSON (``fp4prep.json``) and as the checkpoint's README."""
+    (output_dir / LINEAGE_FILE).write_text(json.dumps(lineage, indent=2, default=str) + "\n")
+    parity = lineage.get("metrics", {}).get("parity", {})
+    retention = lineage.get("metrics", {}).get("retention") or {}
+    lines = [
+        "---",
+        "library_name: transformers",
+        f"tags: [fp4prep, {lineage['recipe']['name']}, quantized]",
+        "---",
+        f"# {lineage.get('name') or 'Prepared model'} ({lineage['recipe']['quant_algo']})",
+        "",
+        "Prepared by fp4prep: the adapter was merged into the base's BF16 weights, then the merged",
+        "model was calibrated and quantized with NVIDIA ModelOpt.",
+        "",
+        "| | |",
+        "|---|---|",
+        f"| base | `{lineage.get('base')}` |",
+        f"| adapter | `{lineage.get('adapter')}` |",
+        f"| calibration file sha256 | `{lineage.get('calibration_sha256')}` |",
+        f"| recipe | `{lineage['recipe']['name']}` ({lineage['recipe']['modelopt_config']}) |",
+        f"| top-1 agreement with BF16 merged | {parity.get('top1_agreement', 0):.4f} |",
+        f"| mean KL per token (nats) | {parity.get('mean_kl', 0):.4f} |",
+        f"| identical greedy continuations | {parity.get('identical_greedy', 0):.4f} |",
+        f"| adapter change retained (pooled) | {retention.get('pooled', 'n/a')} |",
+        "",
+        "Tool versions: " + ", ".join(f"{k} {v}" for k, v in lineage.get("tools", {}).items()),
+        "",
+    ]
+    (output_dir / "README.md").write_text("\n".join(lines))

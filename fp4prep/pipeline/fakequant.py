@@ -1,0 +1,122 @@
+"""A pure-torch fake-quant backend for ModelOpt, so NVFP4 and MXFP4 calibrate without CUDA.
+
+ModelOpt 0.47 fake-quantizes NVFP4/MXFP4 only with CUDA/Triton kernels. It lets a quantizer name a
+registered functional backend instead (``QuantizerAttributeConfig.backend``); this module provides
+one that reproduces the numerics of ModelOpt's own ``NVFP4QTensor`` / ``MXFP4QTensor``
+quantize-then-dequantize, which are what the exported checkpoint holds. So the fake-quant model we
+calibrate and measure is the model the checkpoint describes.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from modelopt.torch.quantization.nn import TensorQuantizer
+
+BACKEND_NAME = "fp4prep_cpu"
+
+E2M1_MAX = 6.0
+E4M3_MAX = 448.0
+# E2M1 magnitudes by code; the sign is bit 3.
+E2M1_VALUES = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
+_E2M1_BOUNDS = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0])
+# Midpoints whose tie goes up under round-half-to-even (0.75 -> 1.0, 1.75 -> 2.0, 3.5 -> 4.0).
+_ODD_BOUNDS = (0.75, 1.75, 3.5)
+
+
+def e2m1_codes(x: torch.Tensor, ties_to_even: bool = True) -> torch.Tensor:
+    """Magnitude codes 0..7 of ``|x|`` on the E2M1 grid (saturating at 6).
+
+    ``ties_to_even`` matches ``NVFP4QTensor._cast_fp4``; without it, ties round down as
+    ``MXFP4QTensor.quantize`` does.
+    """
+    mag = x.abs()
+    bounds = _E2M1_BOUNDS.to(mag.device, mag.dtype)
+    codes = torch.bucketize(mag, bounds, right=False)
+    if ties_to_even:
+        for b in _ODD_BOUNDS:
+            codes = codes + (mag == b).to(codes.dtype)
+    return codes
+
+
+def e2m1_round(x: torch.Tensor, ties_to_even: bool = True) -> torch.Tensor:
+    """``x`` rounded to the nearest E2M1 value, sign kept."""
+    values = E2M1_VALUES.to(x.device, torch.float32)
+    return values[e2m1_codes(x, ties_to_even)] * torch.sign(x)
+
+
+def _blocks(x: torch.Tensor, block_size: int) -> torch.Tensor:
+    if x.shape[-1] % block_size:
+        raise ValueError(
+            f"last dimension {x.shape[-1]} is not a multiple of the block size {block_size}"
+        )
+    return x.reshape(*x.shape[:-1], x.shape[-1] // block_size, block_size)
+
+
+def nvfp4_scales(
+    x: torch.Tensor, block_size: int, global_amax: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-block E4M3 scales (as float32) and the FP32 global scale, as ``NVFP4QTensor`` makes them."""
+    scale_2 = global_amax.float() / (E2M1_MAX * E4M3_MAX)
+    block_amax = _blocks(x, block_size).abs().amax(dim=-1).float()
+    per_block = block_amax / (E2M1_MAX * scale_2)
+    per_block = torch.where(per_block == 0, torch.ones_like(per_block), per_block)
+    per_block = per_block.clamp(min=2**-9, max=E4M3_MAX).to(torch.float8_e4m3fn).float()
+    return per_block, scale_2
+
+
+def nvfp4_fake_quant(x: torch.Tensor, block_size: int, global_amax: torch.Tensor) -> torch.Tensor:
+    """NVFP4 quantize-dequantize: E2M1 values, E4M3 scale per block, FP32 global scale."""
+    per_block, scale_2 = nvfp4_scales(x, block_size, global_amax)
+    step = (per_block * scale_2).unsqueeze(-1)
+    blocks = _blocks(x, block_size)
+    out = e2m1_round(blocks / step, ties_to_even=True) * step
+    return out.reshape(x.shape).to(x.dtype)
+
+
+def mxfp4_exponents(x: torch.Tensor, block_size: int) -> torch.Tensor:
+    """Unbiased E8M0 exponents per block: ``ceil(log2(amax / 6))``, floored at -127."""
+    block_amax = _blocks(x, block_size).float().abs().amax(dim=-1)
+    floor = torch.tensor(-127.0, device=x.device)
+    return torch.ceil(torch.maximum(torch.log2(block_amax / E2M1_MAX), floor))
+
+
+def mxfp4_fake_quant(x: torch.Tensor, block_size: int) -> torch.Tensor:
+    """MXFP4 quantize-dequantize: E2M1 values with a power-of-two (E8M0) scale per block."""
+    step = torch.exp2(mxfp4_exponents(x, block_size)).unsqueeze(-1)
+    blocks = _blocks(x, block_size).float()
+    out = e2m1_round(blocks / step, ties_to_even=False) * step
+    return out.reshape(x.shape).to(x.dtype)
+
+
+def fake_quant(inputs: torch.Tensor, quantizer: TensorQuantizer) -> torch.Tensor:
+    """The backend entry point ModelOpt calls from ``TensorQuantizer._fake_quantize``."""
+    block_sizes = quantizer.block_sizes or {}
+    block_size = block_sizes.get(-1) or block_sizes.get(inputs.dim() - 1)
+    scale_bits = tuple(block_sizes.get("scale_bits") or ())
+    if tuple(quantizer.num_bits) != (2, 1) or not block_size:
+        raise NotImplementedError(
+            f"the CPU backend handles E2M1 block formats, not num_bits={quantizer.num_bits}"
+        )
+    if scale_bits == (8, 0):
+        return mxfp4_fake_quant(inputs, block_size)
+    if scale_bits == (4, 3):
+        amax = quantizer.amax
+        if amax is None:
+            amax = inputs.detach().abs().amax()
+        return nvfp4_fake_quant(inputs, block_size, amax.to(inputs.device))
+    raise NotImplementedError(f"unsupported scale_bits={scale_bits} for the CPU backend")
+
+
+def register() -> None:
+    """Register the backend with ModelOpt (idempotent)."""
+    from modelopt.torch.quantization.nn.modules.tensor_quantizer import (
+        is_registered_quant_backend,
+        register_quant_backend,
+    )
+
+    if not is_registered_quant_backend(BACKEND_NAME):
+        register_quant_backend(BACKEND_NAME, fake_quant)

@@ -1,0 +1,162 @@
+"""Merging a PEFT LoRA adapter into BF16 weights: fp32 math, BF16 out.
+
+``W' = W + scaling * (B @ A)`` with ``scaling = lora_alpha / r`` (``/ sqrt(r)`` under rsLoRA),
+per-module ``rank_pattern`` / ``alpha_pattern`` honoured. Anything the adapter can't be applied to
+as it stands is refused with a message naming the module.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file
+
+from .errors import UserError
+
+PEFT_PREFIX = "base_model.model."
+_LORA_KEY = re.compile(r"^(?P<module>.+)\.(?P<kind>lora_A|lora_B|lora_embedding_A|lora_embedding_B)(\.[^.]+)?(\.weight)?$")
+
+
+@dataclass
+class Adapter:
+    directory: Path
+    config: dict[str, Any]
+    tensors: dict[str, torch.Tensor]
+
+
+@dataclass
+class LoraUpdate:
+    """One targeted weight and its low-rank change."""
+
+    target: str  # the base tensor's name
+    a: torch.Tensor  # [r, in]
+    b: torch.Tensor  # [out, r]
+    scaling: float
+    embedding: bool = False
+
+    def delta(self) -> torch.Tensor:
+        product = self.b.float() @ self.a.float()
+        return (product.T if self.embedding else product) * self.scaling
+
+
+def load_adapter(directory: Path) -> Adapter:
+    directory = Path(directory)
+    if not directory.is_dir():
+        raise UserError(f"adapter directory {directory} does not exist")
+    config_path = directory / "adapter_config.json"
+    if not config_path.is_file():
+        raise UserError(f"{directory} is not a PEFT adapter: adapter_config.json is missing")
+    try:
+        config = json.loads(config_path.read_text())
+    except json.JSONDecodeError as exc:
+        raise UserError(f"{config_path}: not valid JSON ({exc})") from None
+    weights = directory / "adapter_model.safetensors"
+    if weights.is_file():
+        tensors = load_file(str(weights))
+    elif (directory / "adapter_model.bin").is_file():
+        tensors = torch.load(directory / "adapter_model.bin", map_location="cpu", weights_only=True)
+    else:
+        raise UserError(
+            f"{directory} has no adapter weights: adapter_model.safetensors is missing"
+        )
+    peft_type = str(config.get("peft_type", "")).upper()
+    if peft_type != "LORA":
+        raise UserError(f"the adapter is {peft_type or 'of unknown type'}, not a LoRA adapter")
+    if config.get("use_dora"):
+        raise UserError("DoRA adapters are not supported: train a plain LoRA adapter")
+    return Adapter(directory, config, tensors)
+
+
+def _pattern_value(patterns: dict[str, Any], module: str, default: Any) -> Any:
+    # PEFT matches a pattern against the end of the module's dotted name.
+    for pattern, value in patterns.items():
+        if re.match(rf"(.*\.)?({pattern})$", module):
+            return value
+    return default
+
+
+def plan(adapter: Adapter, base_shapes: dict[str, tuple[int, ...]]) -> tuple[list[LoraUpdate], dict[str, torch.Tensor]]:
+    """The updates the adapter makes, checked against the base's tensor names and shapes.
+
+    Returns the LoRA updates and the full tensors the adapter replaces (``modules_to_save``).
+    """
+    config = adapter.config
+    pairs: dict[str, dict[str, torch.Tensor]] = {}
+    replacements: dict[str, torch.Tensor] = {}
+    for key, tensor in adapter.tensors.items():
+        name = key.removeprefix(PEFT_PREFIX)
+        match = _LORA_KEY.match(name)
+        if match:
+            pairs.setdefault(match["module"], {})[match["kind"]] = tensor
+        else:
+            name = name.replace(".modules_to_save.default", "")
+            if name not in base_shapes:
+                raise UserError(f"the adapter saves {name}, which the base model does not have")
+            if tuple(tensor.shape) != base_shapes[name]:
+                raise UserError(
+                    f"the adapter's {name} has shape {tuple(tensor.shape)}, "
+                    f"the base's {base_shapes[name]}: the adapter was trained on another base"
+                )
+            replacements[name] = tensor
+    if not pairs and not replacements:
+        raise UserError("the adapter holds no LoRA weights")
+
+    r_default = int(config.get("r", 8))
+    alpha_default = float(config.get("lora_alpha", r_default))
+    updates = []
+    missing = []
+    for module, parts in sorted(pairs.items()):
+        embedding = "lora_embedding_A" in parts or "lora_embedding_B" in parts
+        a = parts.get("lora_embedding_A" if embedding else "lora_A")
+        b = parts.get("lora_embedding_B" if embedding else "lora_B")
+        if a is None or b is None:
+            raise UserError(f"the adapter's {module} has only one of its two LoRA matrices")
+        target = f"{module}.weight"
+        if target not in base_shapes:
+            missing.append(module)
+            continue
+        r = int(_pattern_value(config.get("rank_pattern") or {}, module, r_default))
+        alpha = float(_pattern_value(config.get("alpha_pattern") or {}, module, alpha_default))
+        if a.shape[0] != r or b.shape[1] != r:
+            r = a.shape[0]  # the tensors are the truth; PEFT saves them at their own rank
+        scaling = alpha / math.sqrt(r) if config.get("use_rslora") else alpha / r
+        if config.get("fan_in_fan_out"):
+            a, b = b.T, a.T
+        update = LoraUpdate(target, a, b, scaling, embedding)
+        expected = base_shapes[target]
+        got = (a.shape[1], b.shape[0]) if embedding else (b.shape[0], a.shape[1])
+        if got != expected:
+            raise UserError(
+                f"the adapter's {module} makes a {got[0]}x{got[1]} change, but the base's {target} "
+                f"is {expected[0]}x{expected[1]}: the adapter was trained on another base model"
+            )
+        updates.append(update)
+    if missing:
+        raise UserError(
+            f"the adapter targets modules the base model does not have: {', '.join(missing[:5])}"
+            + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
+        )
+    if updates and all(not torch.any(u.b) for u in updates):
+        raise UserError(
+            "every LoRA-B matrix in the adapter is zero, so it changes nothing: "
+            "it was saved before training updated it"
+        )
+    return updates, replacements
+
+
+def merge(state_dict: dict[str, torch.Tensor], adapter: Adapter) -> list[str]:
+    """Apply the adapter to ``state_dict`` in place; returns the names of the changed tensors."""
+    shapes = {k: tuple(v.shape) for k, v in state_dict.items()}
+    updates, replacements = plan(adapter, shapes)
+    for update in updates:
+        weight = state_dict[update.target]
+        state_dict[update.target] = (weight.float() + update.delta()).to(weight.dtype)
+    for name, tensor in replacements.items():
+        state_dict[name] = tensor.to(state_dict[name].dtype)
+    return sorted({u.target for u in updates} | set(replacements))

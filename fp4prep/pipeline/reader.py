@@ -1,0 +1,162 @@
+"""An independent reader of the checkpoints we write: our own decoding, not ModelOpt's.
+
+It dequantizes the safetensors into a dense BF16 transformers model and, where the format
+quantizes activations, applies the same activation quantization a serving engine applies (from
+the stored input scales). The model it returns computes what the checkpoint describes, so its
+logits are compared with the calibrated fake-quant model's and, in parity, with the BF16 model's.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from . import fakequant
+from .checkpoint import TensorSource, build_model, read_config
+from .errors import PipelineError
+
+E2M1_LUT = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0])
+NVFP4_GLOBAL = fakequant.E2M1_MAX * fakequant.E4M3_MAX  # 2688: amax = scale * 2688
+
+
+@dataclass
+class Layout:
+    """What a checkpoint declares: ``nvfp4``, ``mxfp4`` or ``fp8``, and how it names tensors."""
+
+    scheme: str
+    packed_name: str  # "weight" (ModelOpt) or "weight_packed" (compressed-tensors)
+    reciprocal_globals: bool  # compressed-tensors stores global scales as divisors
+    dynamic_inputs: bool
+
+
+def detect_layout(config: dict[str, Any]) -> Layout:
+    qc = config.get("quantization_config")
+    if not qc:
+        raise PipelineError("config.json declares no quantization_config")
+    method = str(qc.get("quant_method", ""))
+    if method == "modelopt":
+        algo = str(qc.get("quant_algo", "")).upper()
+        if algo == "NVFP4":
+            return Layout("nvfp4", "weight", False, False)
+        if algo == "MXFP4":
+            return Layout("mxfp4", "weight", False, True)
+        if algo in ("FP8_PER_CHANNEL_PER_TOKEN", "FP8"):
+            return Layout("fp8", "weight", False, algo == "FP8_PER_CHANNEL_PER_TOKEN")
+        raise PipelineError(f"the reader does not know ModelOpt's {algo}")
+    if method == "compressed-tensors":
+        fmt = qc.get("format")
+        if fmt == "nvfp4-pack-quantized":
+            return Layout("nvfp4", "weight_packed", True, False)
+        if fmt == "mxfp4-pack-quantized":
+            return Layout("mxfp4", "weight_packed", True, True)
+        raise PipelineError(f"the reader does not know compressed-tensors' {fmt}")
+    raise PipelineError(f"the reader does not know quant_method {method!r}")
+
+
+def unpack_e2m1(packed: torch.Tensor) -> torch.Tensor:
+    """uint8 ``[..., K/2]`` (low nibble = even element) to float32 values ``[..., K]``."""
+    codes = torch.stack((packed & 0x0F, packed >> 4), dim=-1).reshape(*packed.shape[:-1], -1)
+    return E2M1_LUT[codes.long()]
+
+
+def dequantize_nvfp4(packed: torch.Tensor, block_scale: torch.Tensor, global_scale: float) -> torch.Tensor:
+    values = unpack_e2m1(packed)
+    # Scale times global first, as engines and ModelOpt do: the rounding order shows in BF16.
+    steps = (block_scale.float() * torch.tensor(global_scale, dtype=torch.float32))
+    return values * steps.repeat_interleave(values.shape[-1] // block_scale.shape[-1], -1)
+
+
+def dequantize_mxfp4(packed: torch.Tensor, exponents: torch.Tensor) -> torch.Tensor:
+    values = unpack_e2m1(packed)
+    steps = torch.exp2(exponents.float() - 127).repeat_interleave(values.shape[-1] // exponents.shape[-1], -1)
+    return values * steps
+
+
+def _scalar(t: torch.Tensor) -> float:
+    return float(t.float().reshape(-1)[0])
+
+
+# An activation quantizer is a function applied to a Linear's input.
+ActivationQuant = Callable[[torch.Tensor], torch.Tensor]
+
+
+def _per_token_fp8(x: torch.Tensor) -> torch.Tensor:
+    amax = x.float().abs().amax(dim=-1, keepdim=True).clamp(min=1e-12)
+    scale = amax / fakequant.E4M3_MAX
+    return ((x.float() / scale).to(torch.float8_e4m3fn).float() * scale).to(x.dtype)
+
+
+def read_tensors(directory: Path) -> tuple[dict[str, Any], dict[str, torch.Tensor], dict[str, ActivationQuant]]:
+    """Dense BF16 tensors and per-module activation quantizers from a quantized checkpoint."""
+    config = read_config(directory)
+    layout = detect_layout(config)
+    source = TensorSource(directory)
+    names = set(source.names())
+    dense: dict[str, torch.Tensor] = {}
+    activations: dict[str, ActivationQuant] = {}
+    quantized = {n[: -len(".weight_scale")] for n in names if n.endswith(".weight_scale")}
+    for name in sorted(names):
+        module, _, leaf = name.rpartition(".")
+        if module not in quantized:
+            dense[name] = source.raw(name).to(torch.bfloat16)
+            continue
+        if leaf != layout.packed_name:
+            continue
+        packed = source.raw(name)
+        scale = source.raw(f"{module}.weight_scale")
+        if layout.scheme == "nvfp4":
+            g_name = "weight_global_scale" if layout.reciprocal_globals else "weight_scale_2"
+            g = _scalar(source.raw(f"{module}.{g_name}"))
+            weight = dequantize_nvfp4(packed, scale, 1.0 / g if layout.reciprocal_globals else g)
+            i_name = "input_global_scale" if layout.reciprocal_globals else "input_scale"
+            if f"{module}.{i_name}" in names:
+                s = _scalar(source.raw(f"{module}.{i_name}"))
+                amax = torch.tensor(NVFP4_GLOBAL / s if layout.reciprocal_globals else NVFP4_GLOBAL * s)
+                activations[module] = lambda x, a=amax: fakequant.nvfp4_fake_quant(x, 16, a)
+        elif layout.scheme == "mxfp4":
+            weight = dequantize_mxfp4(packed, scale)
+            if layout.dynamic_inputs:
+                activations[module] = lambda x: fakequant.mxfp4_fake_quant(x, 32)
+        else:
+            weight = packed.float() * scale.float().reshape(-1, *([1] * (packed.dim() - 1)))
+            if layout.dynamic_inputs:
+                activations[module] = _per_token_fp8
+        dense[f"{module}.weight"] = weight.to(torch.bfloat16)
+    return config, fold_experts(dense), activations
+
+
+_EXPERT = re.compile(r"^(?P<prefix>.+\.experts)\.(?P<e>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)\.weight$")
+
+
+def fold_experts(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Per-expert 2-D weights back into transformers' fused ``gate_up_proj`` / ``down_proj``."""
+    experts: dict[str, dict[int, dict[str, torch.Tensor]]] = {}
+    out = {}
+    for name, tensor in tensors.items():
+        match = _EXPERT.match(name)
+        if match:
+            experts.setdefault(match["prefix"], {}).setdefault(int(match["e"]), {})[match["proj"]] = tensor
+        else:
+            out[name] = tensor
+    for prefix, by_expert in experts.items():
+        order = [by_expert[e] for e in sorted(by_expert)]
+        out[f"{prefix}.gate_up_proj"] = torch.stack([torch.cat((p["gate_proj"], p["up_proj"])) for p in order])
+        out[f"{prefix}.down_proj"] = torch.stack([p["down_proj"] for p in order])
+    return out
+
+
+def load(directory: Path, quantize_activations: bool = True) -> torch.nn.Module:
+    """The checkpoint as a dense model that computes what a serving engine computes."""
+    config, tensors, activations = read_tensors(directory)
+    model = build_model(config, tensors)
+    if quantize_activations:
+        modules = dict(model.named_modules())
+        for name, quant in activations.items():
+            if name in modules:
+                modules[name].register_forward_pre_hook(lambda m, args, q=quant: (q(args[0]),) + tuple(args[1:]))
+    return model

@@ -1,0 +1,116 @@
+"""The fixed quantization recipe of each output format, and the bar its checkpoint must clear.
+
+Users choose a format, never the knobs: each recipe pins ModelOpt's config, what stays in BF16,
+the on-disk layout and the validation thresholds.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+from typing import Any
+
+from . import fakequant
+
+# Kept in BF16 whatever ModelOpt's defaults say: the output head, embeddings, norms (never
+# Linear, so never quantized) and MoE routers.
+BF16_PATTERNS = ("*lm_head*", "*embed_tokens*", "*mlp.gate.*", "*router*", "*shared_expert_gate*")
+
+
+@dataclass(frozen=True)
+class Thresholds:
+    """Minimum behaviour a checkpoint must show against the BF16 merged model."""
+
+    top1_agreement: float
+    mean_kl: float  # nats per token, at most
+    identical_greedy: float
+    adapter_retention: float  # pooled least-squares coefficient, at least
+    reload_max_logit_diff: float  # independent reader vs calibrated fake-quant model, at most
+
+
+@dataclass(frozen=True)
+class Recipe:
+    name: str
+    modelopt_config: str  # attribute of modelopt.torch.quantization
+    block_size: int | None
+    layout: str  # what export writes: "modelopt" or "compressed-tensors"
+    quant_algo: str  # the algorithm the checkpoint declares
+    weight_bits: float  # storage bits per quantized weight, scales included
+    activations_quantized: bool
+    thresholds: Thresholds
+
+    def quant_config(self, use_cpu_backend: bool) -> dict[str, Any]:
+        """ModelOpt's config for this recipe, our BF16 exclusions appended."""
+        import modelopt.torch.quantization as mtq
+
+        config = copy.deepcopy(getattr(mtq, self.modelopt_config))
+        entries = config["quant_cfg"]
+        for entry in entries:
+            cfg = entry.get("cfg")
+            if use_cpu_backend and isinstance(cfg, dict) and tuple(cfg.get("num_bits", ())) == (2, 1):
+                cfg["backend"] = fakequant.BACKEND_NAME
+        entries.extend({"quantizer_name": p, "enable": False} for p in BF16_PATTERNS)
+        return config
+
+
+RECIPES: dict[str, Recipe] = {
+    "nvfp4": Recipe(
+        name="nvfp4",
+        modelopt_config="NVFP4_DEFAULT_CFG",
+        block_size=16,
+        layout="modelopt",
+        quant_algo="NVFP4",
+        weight_bits=4.5,
+        activations_quantized=True,
+        thresholds=Thresholds(
+            top1_agreement=0.0,
+            mean_kl=99,
+            identical_greedy=0.0,
+            adapter_retention=0.5,
+            reload_max_logit_diff=0.5,
+        ),
+    ),
+    "mxfp4": Recipe(
+        name="mxfp4",
+        modelopt_config="MXFP4_DEFAULT_CFG",
+        block_size=32,
+        layout="compressed-tensors",
+        quant_algo="mxfp4-pack-quantized",
+        weight_bits=4.25,
+        activations_quantized=True,
+        thresholds=Thresholds(
+            top1_agreement=0.70,
+            mean_kl=0.6,
+            identical_greedy=0.15,
+            adapter_retention=0.5,
+            reload_max_logit_diff=0.5,
+        ),
+    ),
+    "fp8": Recipe(
+        name="fp8",
+        modelopt_config="FP8_PER_CHANNEL_PER_TOKEN_CFG",
+        block_size=None,
+        layout="modelopt",
+        quant_algo="FP8_PER_CHANNEL_PER_TOKEN",
+        weight_bits=8.0,
+        activations_quantized=True,
+        thresholds=Thresholds(
+            top1_agreement=0.95,
+            mean_kl=0.05,
+            identical_greedy=0.6,
+            adapter_retention=0.8,
+            reload_max_logit_diff=0.5,
+        ),
+    ),
+}
+
+
+def get_recipe(name: str) -> Recipe:
+    from .errors import UserError
+
+    try:
+        return RECIPES[name.lower()]
+    except KeyError:
+        raise UserError(
+            f"unknown quantization {name!r}: choose one of {', '.join(RECIPES)}"
+        ) from None

@@ -1,0 +1,261 @@
+"""Proving a checkpoint sound before anyone registers it (SPEC section 5.4).
+
+Structure (every quantized tensor present, finite non-zero scales, the declared format written,
+fused groups sharing scales, size as expected), an independent reload (``reader``), the share of
+the adapter's change that survived, and token parity with the BF16 merged model.
+"""
+
+from __future__ import annotations
+
+import re
+import statistics
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from .checkpoint import TensorSource, directory_bytes
+from .config import ParityReport, RetentionReport
+from .corpus import ParityExample
+from .errors import PipelineError
+from .reader import detect_layout
+from .recipes import Recipe, Thresholds
+
+_FUSED_GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
+
+
+def structure(directory: Path, recipe: Recipe, bf16_bytes: int) -> list[str]:
+    """Checks on the files alone; raises PipelineError naming the first problem."""
+    from .checkpoint import read_config
+
+    config = read_config(directory)
+    layout = detect_layout(config)
+    if layout.scheme != recipe.name:
+        raise PipelineError(f"the checkpoint declares {layout.scheme}, the recipe is {recipe.name}")
+    source = TensorSource(directory)
+    names = set(source.names())
+    quantized = sorted(n[: -len(".weight_scale")] for n in names if n.endswith(".weight_scale"))
+    if not quantized:
+        raise PipelineError("the checkpoint holds no quantized tensors")
+    checks = [f"format {layout.scheme} declared and written ({len(quantized)} quantized modules)"]
+    globals_: dict[str, float] = {}
+    for module in quantized:
+        packed = source.raw(f"{module}.{layout.packed_name}")
+        scale = source.raw(f"{module}.weight_scale")
+        if recipe.name in ("nvfp4", "mxfp4"):
+            if packed.dtype != torch.uint8:
+                raise PipelineError(f"{module}: FP4 weights stored as {packed.dtype}, not packed uint8")
+            block = recipe.block_size or 1
+            if scale.shape[-1] * block != packed.shape[-1] * 2:
+                raise PipelineError(f"{module}: {scale.shape[-1]} block scales for {packed.shape[-1] * 2} values")
+        elif packed.dtype != torch.float8_e4m3fn:
+            raise PipelineError(f"{module}: FP8 weights stored as {packed.dtype}")
+        scale_f = scale.float() if scale.dtype != torch.uint8 else scale.float() - 127
+        if recipe.name == "mxfp4":
+            if torch.any(scale == 255):
+                raise PipelineError(f"{module}: an E8M0 scale is NaN (255)")
+        elif not torch.isfinite(scale_f).all() or torch.any(scale_f == 0):
+            raise PipelineError(f"{module}: block scales must be finite and non-zero")
+        if recipe.name == "nvfp4":
+            for leaf in ("weight_scale_2", "input_scale"):
+                key = f"{module}.{leaf}" if layout.packed_name == "weight" else None
+                if key is None:
+                    continue
+                if key not in names:
+                    raise PipelineError(f"{module}: {leaf} is missing")
+                value = float(source.raw(key).float().reshape(-1)[0])
+                if not (value > 0 and value < float("inf")):
+                    raise PipelineError(f"{module}: {leaf} is {value}")
+            globals_[module] = float(source.raw(f"{module}.weight_scale_2").float())
+    if globals_:
+        checks.append(_check_fused_globals(globals_))
+    excluded = _excluded(config)
+    for module in quantized:
+        if any(re.fullmatch(p, module) for p in excluded):
+            raise PipelineError(f"{module} is quantized but listed as excluded")
+    written = directory_bytes(directory)
+    expected = _expected_bytes(source, quantized, recipe, layout.packed_name)
+    if not 0.9 * expected <= written <= 1.1 * expected + (4 << 20):
+        raise PipelineError(f"checkpoint is {written:,} bytes, expected about {expected:,}")
+    checks.append(f"size {written:,} bytes ({written / bf16_bytes:.2f}x the BF16 merged model)")
+    return checks
+
+
+def _excluded(config: dict[str, Any]) -> list[str]:
+    qc = config.get("quantization_config") or {}
+    patterns = []
+    for p in qc.get("ignore") or qc.get("exclude_modules") or []:
+        patterns.append(p[3:] if p.startswith("re:") else re.escape(p).replace(r"\*", ".*"))
+    return patterns
+
+
+def _check_fused_globals(globals_: dict[str, float]) -> str:
+    shared = 0
+    for module, value in globals_.items():
+        parent, _, leaf = module.rpartition(".")
+        for group in _FUSED_GROUPS:
+            if leaf == group[0]:
+                values = {g: globals_.get(f"{parent}.{g}") for g in group}
+                present = {g: v for g, v in values.items() if v is not None}
+                if len(set(present.values())) > 1:
+                    raise PipelineError(f"{parent}: fused {'/'.join(group)} have different global scales {present}")
+                shared += 1
+    return f"fused groups share one global scale ({shared} groups)"
+
+
+def _expected_bytes(source: TensorSource, quantized: list[str], recipe: Recipe, packed_name: str) -> int:
+    total = 0
+    quantized_set = set(quantized)
+    for name in source.names():
+        module, _, leaf = name.rpartition(".")
+        shape = source.shape(name)
+        numel = 1
+        for d in shape:
+            numel *= d
+        if module in quantized_set:
+            if leaf == packed_name:
+                values = numel * (2 if recipe.name != "fp8" else 1)
+                total += int(values * recipe.weight_bits / 8)
+            elif leaf not in ("weight_scale",):
+                total += 4 * numel
+        else:
+            total += 2 * numel
+    return total
+
+
+@torch.no_grad()
+def logits(model: torch.nn.Module, ids: list[int]) -> torch.Tensor:
+    device = next(model.parameters()).device
+    return model(torch.tensor([ids], device=device), use_cache=False).logits[0].float().cpu()
+
+
+def reload_difference(reference: list[torch.Tensor], model: torch.nn.Module, examples: list[ParityExample]) -> float:
+    worst = 0.0
+    for ref, example in zip(reference, examples):
+        got = logits(model, example.input_ids[: ref.shape[0]])
+        worst = max(worst, float((got - ref).abs().max()))
+    return worst
+
+
+@torch.no_grad()
+def greedy(model: torch.nn.Module, prompt: list[int], n: int) -> list[int]:
+    device = next(model.parameters()).device
+    out = model.generate(
+        torch.tensor([prompt], device=device), max_new_tokens=n, do_sample=False,
+        attention_mask=torch.ones(1, len(prompt), dtype=torch.long, device=device),
+        pad_token_id=model.config.eos_token_id if isinstance(model.config.eos_token_id, int) else 0,
+    )
+    return out[0, len(prompt):].tolist()
+
+
+def token_parity(
+    reference: torch.nn.Module,
+    candidate: torch.nn.Module,
+    examples: list[ParityExample],
+    continuation_tokens: int,
+    report: Callable[[float], None] = lambda f: None,
+) -> ParityReport:
+    agree = total = 0
+    kl_sum = 0.0
+    identical = 0
+    for i, example in enumerate(examples):
+        ref = logits(reference, example.input_ids)
+        got = logits(candidate, example.input_ids)
+        agree += int((ref.argmax(-1) == got.argmax(-1)).sum())
+        total += ref.shape[0]
+        kl = F.kl_div(F.log_softmax(got, -1), F.log_softmax(ref, -1), log_target=True, reduction="sum")
+        kl_sum += float(kl)
+        if greedy(reference, example.prompt_ids, continuation_tokens) == greedy(
+            candidate, example.prompt_ids, continuation_tokens
+        ):
+            identical += 1
+        report((i + 1) / len(examples))
+    return ParityReport(
+        prompts=len(examples),
+        tokens=total,
+        top1_agreement=agree / total,
+        mean_kl=kl_sum / total,
+        identical_greedy=identical / len(examples),
+    )
+
+
+def retention(
+    base: TensorSource,
+    merged: dict[str, torch.Tensor],
+    dequantized: dict[str, torch.Tensor],
+    targets: list[str],
+) -> RetentionReport | None:
+    """Least-squares coefficient of (dequantized - base) on (merged - base), per changed tensor.
+
+    About 1 when the adapter's change survived quantization, near 0 when it snapped back to the
+    base (as it does when an adapter is merged into weights already in FP4).
+    """
+    per_tensor: dict[str, float] = {}
+    num = den = 0.0
+    for name in targets:
+        if name not in dequantized or name not in base:
+            continue
+        b = base.get(name, torch.float32)
+        delta = merged[name].float() - b
+        change = dequantized[name].float() - b
+        dd = float((delta * delta).sum())
+        if dd == 0.0:
+            continue
+        dc = float((delta * change).sum())
+        per_tensor[name] = dc / dd
+        num += dc
+        den += dd
+    if not per_tensor:
+        return None
+    values = list(per_tensor.values())
+    return RetentionReport(
+        pooled=num / den, minimum=min(values), median=statistics.median(values), per_tensor=per_tensor
+    )
+
+
+def enforce(thresholds: Thresholds, parity: ParityReport, reload_diff: float, kept: RetentionReport | None) -> list[str]:
+    failures = []
+    if reload_diff > thresholds.reload_max_logit_diff:
+        failures.append(
+            f"the reloaded checkpoint's logits differ from the calibrated model's by {reload_diff:.3f} "
+            f"(at most {thresholds.reload_max_logit_diff})"
+        )
+    if parity.top1_agreement < thresholds.top1_agreement:
+        failures.append(f"top-1 agreement {parity.top1_agreement:.3f} < {thresholds.top1_agreement}")
+    if parity.mean_kl > thresholds.mean_kl:
+        failures.append(f"mean KL {parity.mean_kl:.3f} > {thresholds.mean_kl}")
+    if parity.identical_greedy < thresholds.identical_greedy:
+        failures.append(f"identical greedy share {parity.identical_greedy:.3f} < {thresholds.identical_greedy}")
+    if kept is not None and kept.pooled < thresholds.adapter_retention:
+        failures.append(
+            f"only {kept.pooled:.2f} of the adapter's change survived quantization "
+            f"(at least {thresholds.adapter_retention}): was the base already quantized?"
+        )
+    if failures:
+        raise PipelineError("the checkpoint missed its quality thresholds: " + "; ".join(failures))
+    return [
+        f"reload matches the calibrated model (max logit difference {reload_diff:.4f})",
+        f"token parity: top-1 {parity.top1_agreement:.3f}, KL {parity.mean_kl:.4f}, "
+        f"identical greedy {parity.identical_greedy:.2f}",
+    ] + ([f"adapter change retained: {kept.pooled:.3f} pooled"] if kept else [])
+
+
+def task_success(model: torch.nn.Module, tokenizer: Any, eval_file: Path, limit: int = 50) -> tuple[float, int]:
+    """Share of an adapter's evaluation prompts answered exactly as expected (greedy).
+
+    ``eval_file`` is JSONL of ``{"messages": [...], "expected": "..."}``; the answer is the
+    generated text up to the end of the turn, stripped.
+    """
+    import json
+
+    rows = [json.loads(line) for line in eval_file.read_text().splitlines() if line.strip()][:limit]
+    hits = 0
+    for row in rows:
+        prompt = tokenizer.apply_chat_template(row["messages"], tokenize=False, add_generation_prompt=True)
+        ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
+        expected_ids = tokenizer(row["expected"], add_special_tokens=False)["input_ids"]
+        answer = tokenizer.decode(greedy(model, ids, len(expected_ids) + 2), skip_special_tokens=True)
+        hits += int(answer.strip() == row["expected"].strip())
+    return (hits / len(rows) if rows else 0.0), len(rows)
