@@ -7,6 +7,7 @@ block, as FP8 releases of large MoE models ship); ``TensorSource`` dequantizes t
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -91,6 +92,30 @@ class TensorSource:
                 yield name, self.get(name, dtype)
 
 
+_EXPERT = re.compile(r"^(?P<prefix>.+\.experts)\.(?P<e>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)\.weight$")
+
+
+def fold_experts(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Per-expert 2-D weights (as checkpoints store them) into transformers' fused experts.
+
+    ``experts.{e}.{gate,up}_proj.weight`` become ``experts.gate_up_proj[e]`` (gate rows first)
+    and ``experts.{e}.down_proj.weight`` becomes ``experts.down_proj[e]``.
+    """
+    experts: dict[str, dict[int, dict[str, torch.Tensor]]] = {}
+    out = {}
+    for name, tensor in tensors.items():
+        match = _EXPERT.match(name)
+        if match:
+            experts.setdefault(match["prefix"], {}).setdefault(int(match["e"]), {})[match["proj"]] = tensor
+        else:
+            out[name] = tensor
+    for prefix, by_expert in experts.items():
+        order = [by_expert[e] for e in sorted(by_expert)]
+        out[f"{prefix}.gate_up_proj"] = torch.stack([torch.cat((p["gate_proj"], p["up_proj"])) for p in order])
+        out[f"{prefix}.down_proj"] = torch.stack([p["down_proj"] for p in order])
+    return out
+
+
 def dense_config(config: dict[str, Any]) -> dict[str, Any]:
     """The config of the same model stored in BF16: no quantization_config."""
     config = {k: v for k, v in config.items() if k != "quantization_config"}
@@ -104,6 +129,7 @@ def build_model(config: dict[str, Any], state_dict: dict[str, torch.Tensor]) -> 
     from transformers.initialization import no_init_weights
 
     config = dense_config(config)
+    state_dict = fold_experts(state_dict)
     model_type = config.pop("model_type", None)
     if model_type is None:
         raise UserError("config.json has no model_type")

@@ -71,7 +71,7 @@ def to_compressed_tensors(src: Path, dst: Path) -> None:
         out: dict[str, torch.Tensor] = {}
         with safe_open(str(path), "pt") as f:
             keys = list(f.keys())
-            packed = {k[: -len(".weight")] for k in keys if k.endswith(".weight_scale")}
+            packed = {k[: -len(".weight_scale")] for k in keys if k.endswith(".weight_scale")}
             for key in keys:
                 tensor = f.get_tensor(key)
                 module, _, leaf = key.rpartition(".")

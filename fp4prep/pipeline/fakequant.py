@@ -92,15 +92,42 @@ def mxfp4_fake_quant(x: torch.Tensor, block_size: int) -> torch.Tensor:
     return out.reshape(x.shape).to(x.dtype)
 
 
+def fp8_fake_quant(x: torch.Tensor, amax: torch.Tensor) -> torch.Tensor:
+    """E4M3 quantize-dequantize with scale ``amax / 448`` (broadcast: per tensor, channel or token).
+
+    The division by the scale, not a multiplication by its inverse, is what ModelOpt's export
+    writes and what engines undo with ``fp8 * scale``; the difference shows in BF16.
+    """
+    amax = amax.float()
+    scale = torch.where(amax > 0, amax / E4M3_MAX, torch.ones_like(amax))
+    q = (x.float() / scale).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
+    return (q.float() * scale).to(x.dtype)
+
+
+def per_token_fp8_fake_quant(x: torch.Tensor) -> torch.Tensor:
+    """Dynamic per-token FP8, as engines quantize activations for FP8_PER_CHANNEL_PER_TOKEN."""
+    return fp8_fake_quant(x, x.detach().abs().amax(dim=-1, keepdim=True))
+
+
 def fake_quant(inputs: torch.Tensor, quantizer: TensorQuantizer) -> torch.Tensor:
     """The backend entry point ModelOpt calls from ``TensorQuantizer._fake_quantize``."""
     block_sizes = quantizer.block_sizes or {}
+    if not handles(quantizer.num_bits):
+        raise NotImplementedError(
+            f"the CPU backend handles E2M1 block formats and E4M3, not num_bits={quantizer.num_bits}"
+        )
+    if tuple(quantizer.num_bits) == (4, 3):
+        amax = getattr(quantizer, "_amax", None)
+        if amax is not None:
+            return fp8_fake_quant(inputs, amax.to(inputs.device))
+        if quantizer.axis is None and not block_sizes:
+            return fp8_fake_quant(inputs, inputs.detach().abs().amax())
+        # Dynamic with an axis (ModelOpt turns block_sizes {-1: None} into one): per token.
+        return per_token_fp8_fake_quant(inputs)
     block_size = block_sizes.get(-1) or block_sizes.get(inputs.dim() - 1)
     scale_bits = tuple(block_sizes.get("scale_bits") or ())
-    if tuple(quantizer.num_bits) != (2, 1) or not block_size:
-        raise NotImplementedError(
-            f"the CPU backend handles E2M1 block formats, not num_bits={quantizer.num_bits}"
-        )
+    if not block_size:
+        raise NotImplementedError("the CPU backend handles E2M1 only in blocks")
     if scale_bits == (8, 0):
         return mxfp4_fake_quant(inputs, block_size)
     if scale_bits == (4, 3):
@@ -109,6 +136,10 @@ def fake_quant(inputs: torch.Tensor, quantizer: TensorQuantizer) -> torch.Tensor
             amax = inputs.detach().abs().amax()
         return nvfp4_fake_quant(inputs, block_size, amax.to(inputs.device))
     raise NotImplementedError(f"unsupported scale_bits={scale_bits} for the CPU backend")
+
+
+def handles(num_bits: object) -> bool:
+    return tuple(num_bits) in ((2, 1), (4, 3)) if isinstance(num_bits, (tuple, list)) else False
 
 
 def register() -> None:

@@ -7,6 +7,8 @@ every expert is known to have seen tokens before anything is exported.
 
 from __future__ import annotations
 
+import contextlib
+import io
 import logging
 from collections.abc import Callable
 
@@ -101,10 +103,13 @@ def calibrate(
                 m(sequence.unsqueeze(0).to(device), use_cache=False)
                 report((i + 1) / len(sequences))
 
+    chatter = io.StringIO()  # ModelOpt prints to stdout; keep it in our log instead
     try:
-        mtq.quantize(model, recipe.quant_config(use_cpu_backend=cpu), forward_loop)
+        with contextlib.redirect_stdout(chatter):
+            mtq.quantize(model, recipe.quant_config(use_cpu_backend=cpu), forward_loop)
     finally:
         counter.remove()
+        logger.debug("modelopt: %s", chatter.getvalue().strip())
     uncovered = counter.uncovered()
     if uncovered:
         raise PipelineError(
@@ -113,6 +118,20 @@ def calibrate(
             "refusing to export uncalibrated experts: calibrate on a larger corpus"
         )
     return counter.as_lists()
+
+
+def use_reference_numerics(model: torch.nn.Module) -> None:
+    """Switch every quantizer to our pure-torch numerics, the export's own arithmetic.
+
+    On the CPU they already run it; on CUDA, ModelOpt's kernels calibrated the model and this
+    makes the fake-quant reference bit-comparable with the checkpoint's independent reload.
+    """
+    from modelopt.torch.quantization.nn import TensorQuantizer
+
+    fakequant.register()
+    for module in model.modules():
+        if isinstance(module, TensorQuantizer) and module.is_enabled and fakequant.handles(module.num_bits):
+            module.backend = fakequant.BACKEND_NAME
 
 
 def share_fused_scales(model: torch.nn.Module) -> None:

@@ -8,7 +8,6 @@ logits are compared with the calibrated fake-quant model's and, in parity, with 
 
 from __future__ import annotations
 
-import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -85,12 +84,6 @@ def _scalar(t: torch.Tensor) -> float:
 ActivationQuant = Callable[[torch.Tensor], torch.Tensor]
 
 
-def _per_token_fp8(x: torch.Tensor) -> torch.Tensor:
-    amax = x.float().abs().amax(dim=-1, keepdim=True).clamp(min=1e-12)
-    scale = amax / fakequant.E4M3_MAX
-    return ((x.float() / scale).to(torch.float8_e4m3fn).float() * scale).to(x.dtype)
-
-
 def read_tensors(directory: Path) -> tuple[dict[str, Any], dict[str, torch.Tensor], dict[str, ActivationQuant]]:
     """Dense BF16 tensors and per-module activation quantizers from a quantized checkpoint."""
     config = read_config(directory)
@@ -124,39 +117,55 @@ def read_tensors(directory: Path) -> tuple[dict[str, Any], dict[str, torch.Tenso
                 activations[module] = lambda x: fakequant.mxfp4_fake_quant(x, 32)
         else:
             weight = packed.float() * scale.float().reshape(-1, *([1] * (packed.dim() - 1)))
+            if f"{module}.input_scale" in names and not layout.dynamic_inputs:
+                amax = source.raw(f"{module}.input_scale").float() * fakequant.E4M3_MAX
+                activations[module] = lambda x, a=amax: fakequant.fp8_fake_quant(x, a)
             if layout.dynamic_inputs:
-                activations[module] = _per_token_fp8
+                activations[module] = fakequant.per_token_fp8_fake_quant
         dense[f"{module}.weight"] = weight.to(torch.bfloat16)
-    return config, fold_experts(dense), activations
+    return config, dense, activations
 
 
-_EXPERT = re.compile(r"^(?P<prefix>.+\.experts)\.(?P<e>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)\.weight$")
+def _identity(x: torch.Tensor) -> torch.Tensor:
+    return x
 
 
-def fold_experts(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Per-expert 2-D weights back into transformers' fused ``gate_up_proj`` / ``down_proj``."""
-    experts: dict[str, dict[int, dict[str, torch.Tensor]]] = {}
-    out = {}
-    for name, tensor in tensors.items():
-        match = _EXPERT.match(name)
-        if match:
-            experts.setdefault(match["prefix"], {}).setdefault(int(match["e"]), {})[match["proj"]] = tensor
-        else:
-            out[name] = tensor
-    for prefix, by_expert in experts.items():
-        order = [by_expert[e] for e in sorted(by_expert)]
-        out[f"{prefix}.gate_up_proj"] = torch.stack([torch.cat((p["gate_proj"], p["up_proj"])) for p in order])
-        out[f"{prefix}.down_proj"] = torch.stack([p["down_proj"] for p in order])
-    return out
+def _quantized_experts_forward(
+    experts: torch.nn.Module, gate_up_quant: list[ActivationQuant], down_quant: list[ActivationQuant]
+) -> Callable[..., torch.Tensor]:
+    """transformers' fused-experts loop with each expert's input quantization, as engines run it."""
+
+    def forward(hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
+        out = torch.zeros_like(hidden)
+        for e in range(experts.gate_up_proj.shape[0]):
+            token_idx, slot = torch.where(top_k_index == e)
+            if token_idx.numel() == 0:
+                continue
+            x = gate_up_quant[e](hidden[token_idx])
+            gate, up = torch.nn.functional.linear(x, experts.gate_up_proj[e]).chunk(2, dim=-1)
+            h = down_quant[e](experts.act_fn(gate) * up)
+            y = torch.nn.functional.linear(h, experts.down_proj[e]) * top_k_weights[token_idx, slot, None]
+            out.index_add_(0, token_idx, y.to(out.dtype))
+        return out
+
+    return forward
 
 
 def load(directory: Path, quantize_activations: bool = True) -> torch.nn.Module:
     """The checkpoint as a dense model that computes what a serving engine computes."""
     config, tensors, activations = read_tensors(directory)
     model = build_model(config, tensors)
-    if quantize_activations:
-        modules = dict(model.named_modules())
-        for name, quant in activations.items():
-            if name in modules:
-                modules[name].register_forward_pre_hook(lambda m, args, q=quant: (q(args[0]),) + tuple(args[1:]))
+    if not quantize_activations:
+        return model
+    for name, module in model.named_modules():
+        if name in activations:
+            module.register_forward_pre_hook(
+                lambda m, args, q=activations[name]: (q(args[0]),) + tuple(args[1:])
+            )
+        gate_up = getattr(module, "gate_up_proj", None)
+        if isinstance(gate_up, torch.Tensor) and gate_up.dim() == 3:
+            n = gate_up.shape[0]
+            gu = [activations.get(f"{name}.{e}.gate_proj", _identity) for e in range(n)]
+            down = [activations.get(f"{name}.{e}.down_proj", _identity) for e in range(n)]
+            module.forward = _quantized_experts_forward(module, gu, down)
     return model

@@ -47,7 +47,7 @@ class Recipe:
         entries = config["quant_cfg"]
         for entry in entries:
             cfg = entry.get("cfg")
-            if use_cpu_backend and isinstance(cfg, dict) and tuple(cfg.get("num_bits", ())) == (2, 1):
+            if use_cpu_backend and isinstance(cfg, dict) and fakequant.handles(cfg.get("num_bits")):
                 cfg["backend"] = fakequant.BACKEND_NAME
         entries.extend({"quantizer_name": p, "enable": False} for p in BF16_PATTERNS)
         return config

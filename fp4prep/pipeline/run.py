@@ -98,6 +98,7 @@ def _run(config: PipelineConfig, recipe: Any, thresholds: Any, progress: Progres
 
     with progress.stage("quantizing"):
         quantize.share_fused_scales(model)
+        quantize.use_reference_numerics(model)
         reload_examples = corpus.parity[:2]
         reference = [validate.logits(model, e.input_ids[:RELOAD_CHECK_TOKENS]) for e in reload_examples]
 

@@ -1,0 +1,181 @@
+"""The ``fp4prep`` command.
+
+``fp4prep quantize`` runs the pipeline locally on a checkpoint directory (seed 004's command);
+``fp4prep demo`` builds the embedded demo assets and runs ``quantize`` on them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+import warnings
+from pathlib import Path
+from typing import Any
+
+EXIT_USER_ERROR = 2
+EXIT_ERROR = 1
+EXIT_CANCELLED = 130
+
+
+class StageBars:
+    """One progress bar per stage, on stderr."""
+
+    def __init__(self, enabled: bool) -> None:
+        self.enabled = enabled
+        self.stage: str | None = None
+        self.bar: Any = None
+
+    def __call__(self, stage: str, fraction: float) -> None:
+        if not self.enabled:
+            return
+        from tqdm import tqdm
+
+        if stage != self.stage:
+            self.close()
+            self.stage = stage
+            self.bar = tqdm(total=100, desc=f"{stage:<12}", unit="%", file=sys.stderr,
+                            bar_format="{desc} {bar} {percentage:3.0f}% {elapsed}")
+        target = int(round(fraction * 100))
+        self.bar.update(max(0, target - self.bar.n))
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+            self.bar = None
+
+
+def _size(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{n} B"
+        n /= 1024  # type: ignore[assignment]
+    return str(n)
+
+
+def summary(result: Any) -> str:
+    lines = [
+        f"Wrote {result.quantization} checkpoint to {result.output_dir}",
+        f"  size           {_size(result.output_bytes)} (BF16 merged: {_size(result.bf16_bytes)}, "
+        f"{result.output_bytes / result.bf16_bytes:.2f}x)",
+        "  time per stage " + ", ".join(f"{k} {v:.1f}s" for k, v in result.stage_seconds.items()),
+        f"  calibration    {result.corpus.user_tokens:,} user + {result.corpus.general_tokens:,} general tokens, "
+        f"{result.corpus.held_out_conversations} conversations held back",
+        f"  parity vs BF16 top-1 agreement {result.parity.top1_agreement:.3f}, "
+        f"mean KL {result.parity.mean_kl:.4f} nats/token, "
+        f"identical greedy continuations {result.parity.identical_greedy:.2f} "
+        f"({result.parity.prompts} prompts, {result.parity.tokens} tokens)",
+        f"  reload         independent reader matches the calibrated model "
+        f"(max logit difference {result.reload_max_logit_diff:.4f})",
+    ]
+    if result.retention is not None:
+        lines.append(
+            f"  adapter kept   {result.retention.pooled:.3f} of the adapter's change survived "
+            f"(per tensor: min {result.retention.minimum:.3f}, median {result.retention.median:.3f})"
+        )
+    if result.task is not None:
+        lines.append(
+            f"  adapter task   success BF16 merged {result.task.bf16_success:.0%}, "
+            f"{result.quantization} {result.task.quantized_success:.0%} ({result.task.prompts} prompts)"
+        )
+    if result.expert_tokens:
+        least = min(min(v) for v in result.expert_tokens.values())
+        lines.append(f"  MoE experts    every expert calibrated (fewest tokens for one expert: {least})")
+    return "\n".join(lines)
+
+
+def cmd_quantize(args: argparse.Namespace) -> int:
+    from fp4prep.pipeline import Cancelled, PipelineConfig, PipelineError, UserError, run
+
+    bars = StageBars(enabled=not args.quiet)
+    config = PipelineConfig(
+        base_dir=args.model_id,
+        adapter_dir=args.adapter_directory,
+        output_dir=args.output_directory,
+        quantization=args.quantization,
+        calibration_file=args.calibration_file,
+        general_text_file=args.general_text_file,
+        eval_file=args.eval_file,
+        calibration_tokens=args.calibration_tokens,
+        user_token_minimum=args.user_token_minimum,
+        progress=bars,
+    )
+    try:
+        result = run(config)
+    except UserError as exc:
+        bars.close()
+        print(f"error: {exc}", file=sys.stderr)
+        return EXIT_USER_ERROR
+    except PipelineError as exc:
+        bars.close()
+        print(f"error: {exc}", file=sys.stderr)
+        return EXIT_ERROR
+    except (Cancelled, KeyboardInterrupt):
+        bars.close()
+        print("cancelled: nothing was written", file=sys.stderr)
+        return EXIT_CANCELLED
+    bars.close()
+    if args.json:
+        print(json.dumps(result.to_dict(), indent=2, default=str))
+    else:
+        print(summary(result))
+    return 0
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from fp4prep import demo
+
+    assets = demo.build(force=args.rebuild)
+    args.model_id = assets.base_dir
+    args.adapter_directory = assets.adapter_dir
+    args.calibration_file = assets.calibration_file
+    args.general_text_file = None
+    args.eval_file = None
+    args.calibration_tokens = 8192
+    args.user_token_minimum = 4096
+    if args.output_directory is None:
+        args.output_directory = Path("var") / f"demo-{args.quantization}"
+    return cmd_quantize(args)
+
+
+def _add_run_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--quantization", choices=("nvfp4", "mxfp4", "fp8"), default="nvfp4",
+                   help="output format (default nvfp4)")
+    p.add_argument("--json", action="store_true", help="print the result as JSON")
+    p.add_argument("--quiet", action="store_true", help="no progress bars")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="fp4prep", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    q = sub.add_parser("quantize", help="merge an adapter and quantize a checkpoint locally")
+    q.add_argument("--model-id", required=True, type=Path, help="base checkpoint directory (BF16 or FP8 blocks)")
+    q.add_argument("--adapter-directory", type=Path, help="PEFT LoRA adapter directory to merge first")
+    q.add_argument("--output-directory", required=True, type=Path, help="where the checkpoint goes (new or empty)")
+    q.add_argument("--calibration-file", "-c", type=Path, help="JSONL conversations for half the calibration corpus")
+    q.add_argument("--general-text-file", type=Path, help="general text (.txt or .jsonl); default: embedded")
+    q.add_argument("--eval-file", type=Path, help="JSONL of {messages, expected} to score the adapter's task")
+    q.add_argument("--calibration-tokens", type=int, default=8192, help="corpus size in tokens (default 8192)")
+    q.add_argument("--user-token-minimum", type=int, default=0, help="least tokens the calibration file must supply")
+    _add_run_options(q)
+    q.set_defaults(func=cmd_quantize)
+
+    d = sub.add_parser("demo", help="build the embedded demo (SmolLM2-135M + LoRA) and quantize it")
+    d.add_argument("--output-directory", type=Path, help="default var/demo-<quantization>")
+    d.add_argument("--rebuild", action="store_true", help="rebuild the cached demo assets")
+    _add_run_options(d)
+    d.set_defaults(func=cmd_demo)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    warnings.filterwarnings("ignore")  # library chatter; our errors are printed ourselves
+    return int(args.func(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,87 @@
+"""The CPU backend reproduces ModelOpt's own NVFP4/MXFP4 quantize-dequantize, bit for bit."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from modelopt.torch.quantization.qtensor import MXFP4QTensor, NVFP4QTensor
+
+from fp4prep.pipeline import fakequant
+
+
+def tensors() -> list[torch.Tensor]:
+    torch.manual_seed(0)
+    gaussian = torch.randn(48, 256) * 0.05
+    with_zero_blocks = gaussian.clone()
+    with_zero_blocks[3, :32] = 0
+    tiny = torch.randn(16, 128) * 1e-6
+    outliers = gaussian.clone()
+    outliers[::7, ::13] *= 300
+    # Exact E2M1 midpoints (0.25, 0.75, ...) after scaling: the tie rules must agree.
+    ties = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 6.0] * 8).reshape(2, 32)
+    ties = torch.cat([ties, -ties])
+    return [gaussian, with_zero_blocks, tiny, outliers, ties]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("index", range(5))
+def test_nvfp4_matches_modelopts_qtensor(index: int, dtype: torch.dtype) -> None:
+    x = tensors()[index].to(dtype)
+    packed, scale, scale_2 = NVFP4QTensor.quantize(x, 16)
+    expected = packed.dequantize(dtype=dtype, scale=scale, double_scale=scale_2, block_sizes={-1: 16})
+    got = fakequant.nvfp4_fake_quant(x, 16, x.abs().amax())
+    assert got.dtype == dtype
+    assert torch.equal(got, expected)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("index", range(5))
+def test_mxfp4_matches_modelopts_qtensor(index: int, dtype: torch.dtype) -> None:
+    x = tensors()[index].to(dtype)
+    packed, exponents = MXFP4QTensor.quantize(x, 32)
+    expected = packed.dequantize(dtype=dtype, scale=exponents, block_sizes={-1: 32})
+    got = fakequant.mxfp4_fake_quant(x, 32)
+    assert torch.equal(got, expected)
+
+
+def test_nvfp4_uses_a_calibrated_global_amax_not_the_tensors_own() -> None:
+    x = tensors()[0]
+    calibrated = x.abs().amax() * 3.7
+    packed, scale, scale_2 = NVFP4QTensor.quantize(x, 16, weights_scaling_factor_2=calibrated / 2688)
+    expected = packed.dequantize(dtype=x.dtype, scale=scale, double_scale=scale_2, block_sizes={-1: 16})
+    assert torch.equal(fakequant.nvfp4_fake_quant(x, 16, calibrated), expected)
+    assert not torch.equal(fakequant.nvfp4_fake_quant(x, 16, x.abs().amax()), expected)
+
+
+def test_e2m1_rounds_half_to_even_for_nvfp4_and_down_for_mxfp4() -> None:
+    mids = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 7.0])
+    assert fakequant.e2m1_round(mids).tolist() == [0.0, 1.0, 1.0, 2.0, 2.0, 4.0, 4.0, 6.0]
+    assert fakequant.e2m1_round(mids, ties_to_even=False).tolist() == [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0]
+
+
+def test_fp8_matches_what_modelopts_export_writes_and_engines_read() -> None:
+    w = tensors()[0].to(torch.bfloat16)
+    amax = w.abs().amax(dim=1, keepdim=True)
+    scale = amax.float() / 448
+    stored = (w / scale).to(torch.float8_e4m3fn)  # ModelOpt's to_quantized_weight for FP8
+    expected = (stored.float() * scale).to(torch.bfloat16)  # vLLM: fp8 * weight_scale
+    assert torch.equal(fakequant.fp8_fake_quant(w, amax), expected)
+
+
+def test_the_backend_is_registered_once_and_handles_only_block_fp4_and_fp8() -> None:
+    from modelopt.torch.quantization.nn import TensorQuantizer
+    from modelopt.torch.quantization.nn.modules.tensor_quantizer import is_registered_quant_backend
+
+    fakequant.register()
+    fakequant.register()
+    assert is_registered_quant_backend(fakequant.BACKEND_NAME)
+    int8 = TensorQuantizer()
+    with pytest.raises(NotImplementedError, match="E2M1"):
+        fakequant.fake_quant(torch.ones(4, 16), int8)
+
+
+def test_the_backend_is_vectorized_enough_to_be_cheap() -> None:
+    # Not a timing test: one pass over a 4096x4096 tensor must not loop in Python per block.
+    x = torch.randn(4096, 4096, dtype=torch.bfloat16)
+    out = fakequant.nvfp4_fake_quant(x, 16, x.abs().amax())
+    assert out.shape == x.shape and torch.isfinite(out.float()).all()
