@@ -1,0 +1,136 @@
+"""The whole pipeline on a tiny dense Llama, in every format: files, layout, lineage, reload."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+
+from fp4prep.pipeline import STAGES, Cancelled, PipelineError, UserError
+
+from .conftest import save_adapter
+from .helpers import run_tiny
+
+FORMATS = {
+    "nvfp4": {"quant_method": "modelopt", "quant_algo": "NVFP4"},
+    "mxfp4": {"quant_method": "compressed-tensors", "format": "mxfp4-pack-quantized"},
+    "fp8": {"quant_method": "modelopt", "quant_algo": "FP8_PER_CHANNEL_PER_TOKEN"},
+}
+
+
+def tensors(directory: Path) -> dict[str, torch.Tensor]:
+    out = {}
+    for path in directory.glob("*.safetensors"):
+        with safe_open(str(path), "pt") as f:
+            out.update({k: f.get_tensor(k) for k in f.keys()})  # noqa: SIM118
+    return out
+
+
+@pytest.mark.parametrize("quantization", list(FORMATS))
+def test_it_prepares_a_checkpoint_engines_load_as_is(llama_base: Path, calibration_file: Path, tmp_path: Path, quantization: str) -> None:
+    adapter = save_adapter(llama_base, tmp_path / "adapter", targets=["q_proj", "k_proj", "v_proj", "o_proj"], b_scale=0.05)
+    out = tmp_path / "out"
+    result = run_tiny(llama_base, out, quantization, adapter_dir=adapter, calibration_file=calibration_file)
+
+    config = json.loads((out / "config.json").read_text())
+    for key, value in FORMATS[quantization].items():
+        assert config["quantization_config"][key] == value
+    files = {p.name for p in out.iterdir()}
+    assert {"config.json", "model.safetensors", "tokenizer.json", "README.md", "fp4prep.json"} <= files
+    assert ("hf_quant_config.json" in files) == (quantization != "mxfp4")
+    assert "chat_template.jinja" in files or "chat_template" in (out / "tokenizer_config.json").read_text()
+
+    t = tensors(out)
+    q = "model.layers.0.self_attn.q_proj"
+    if quantization == "nvfp4":
+        assert t[f"{q}.weight"].dtype == torch.uint8 and t[f"{q}.weight"].shape == (64, 32)
+        assert t[f"{q}.weight_scale"].dtype == torch.float8_e4m3fn and t[f"{q}.weight_scale"].shape == (64, 4)
+        assert t[f"{q}.input_scale"].shape == () and t[f"{q}.weight_scale_2"].shape == ()
+        shared = {float(t[f"model.layers.0.self_attn.{p}.weight_scale_2"]) for p in ("q_proj", "k_proj", "v_proj")}
+        assert len(shared) == 1
+    elif quantization == "mxfp4":
+        assert t[f"{q}.weight_packed"].dtype == torch.uint8 and t[f"{q}.weight_packed"].shape == (64, 32)
+        assert t[f"{q}.weight_scale"].dtype == torch.uint8 and t[f"{q}.weight_scale"].shape == (64, 2)
+        assert f"{q}.weight" not in t
+    else:
+        assert t[f"{q}.weight"].dtype == torch.float8_e4m3fn and t[f"{q}.weight_scale"].shape == (64,)
+    # lm_head, embeddings and norms stay BF16, with no scale tensors beside them.
+    for name in ("lm_head.weight", "model.embed_tokens.weight", "model.norm.weight"):
+        assert t[name].dtype == torch.bfloat16
+    assert not any(k.startswith("lm_head.") and k != "lm_head.weight" for k in t)
+    assert result.reload_max_logit_diff == 0.0
+    assert result.retention is not None and 0.8 < result.retention.pooled < 1.2
+    assert result.corpus.user_tokens == 1024 and result.corpus.general_tokens == 1024
+    assert result.corpus.held_out_conversations == 12
+    assert 0.0 <= result.parity.top1_agreement <= 1.0 and result.parity.mean_kl >= 0.0
+
+    lineage = json.loads((out / "fp4prep.json").read_text())
+    assert lineage["calibration_sha256"] == result.corpus.calibration_sha256
+    assert len(lineage["calibration_sha256"]) == 64
+    assert lineage["recipe"]["name"] == quantization
+    assert lineage["tools"]["nvidia-modelopt"] == "0.47.0"
+    assert lineage["metrics"]["parity"]["prompts"] == 3
+    assert not any(p.name.startswith(".fp4prep-") for p in tmp_path.iterdir())
+
+
+def test_without_an_adapter_the_base_itself_is_prepared(llama_base: Path, tmp_path: Path) -> None:
+    result = run_tiny(llama_base, tmp_path / "out")
+    assert result.retention is None
+    assert result.corpus.user_tokens == 0 and result.corpus.general_tokens == 2048
+    assert result.parity.prompts == 3
+
+
+def test_progress_goes_through_every_stage_in_order(llama_base: Path, tmp_path: Path) -> None:
+    seen: list[tuple[str, float]] = []
+    run_tiny(llama_base, tmp_path / "out", progress=lambda stage, f: seen.append((stage, f)))
+    stages = [s for i, (s, _) in enumerate(seen) if i == 0 or seen[i - 1][0] != s]
+    assert stages == list(STAGES)
+    for stage in STAGES:
+        fractions = [f for s, f in seen if s == stage]
+        assert fractions[0] == 0.0 and fractions[-1] == 1.0
+        assert fractions == sorted(fractions)
+    calibration_updates = [f for s, f in seen if s == "calibrating"]
+    assert len(calibration_updates) > 10  # reported inside the loop, not only at its ends
+
+
+@pytest.mark.parametrize("stage", ["merging", "calibrating", "validating"])
+def test_a_cancelled_run_stops_and_leaves_nothing(llama_base: Path, tmp_path: Path, stage: str) -> None:
+    current = {"stage": ""}
+
+    def progress(s: str, fraction: float) -> None:
+        current["stage"] = s
+
+    def should_cancel() -> bool:
+        return current["stage"] == stage
+
+    with pytest.raises(Cancelled, match=f"during {stage}"):
+        run_tiny(llama_base, tmp_path / "out", progress=progress, should_cancel=should_cancel)
+    assert not (tmp_path / "out").exists()
+    assert list(tmp_path.iterdir()) == [llama_base]
+
+
+def test_it_refuses_a_non_empty_output_directory(llama_base: Path, tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "keep.txt").write_text("mine")
+    with pytest.raises(UserError, match="already exists and is not empty"):
+        run_tiny(llama_base, out)
+    assert (out / "keep.txt").read_text() == "mine"
+
+
+def test_an_unknown_format_is_a_user_error(llama_base: Path, tmp_path: Path) -> None:
+    with pytest.raises(UserError, match="unknown quantization 'int3'"):
+        run_tiny(llama_base, tmp_path / "out", "int3")
+
+
+def test_a_checkpoint_that_misses_its_thresholds_is_an_error_not_a_result(llama_base: Path, tmp_path: Path) -> None:
+    from fp4prep.pipeline import Thresholds
+
+    impossible = Thresholds(top1_agreement=1.01, mean_kl=0.0, identical_greedy=1.01,
+                            adapter_retention=0.5, reload_max_logit_diff=1e-3)
+    with pytest.raises(PipelineError, match="missed its quality thresholds: top-1 agreement"):
+        run_tiny(llama_base, tmp_path / "out", thresholds=impossible)
+    assert not (tmp_path / "out").exists()
