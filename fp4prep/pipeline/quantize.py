@@ -97,7 +97,10 @@ def calibrate(
     device = next(model.parameters()).device
     counter = ExpertCounter(model)
 
+    passes = []
+
     def forward_loop(m: torch.nn.Module) -> None:
+        passes.append(1)
         with torch.no_grad():
             for i, sequence in enumerate(sequences):
                 m(sequence.unsqueeze(0).to(device), use_cache=False)
@@ -107,6 +110,10 @@ def calibrate(
     try:
         with contextlib.redirect_stdout(chatter):
             mtq.quantize(model, recipe.quant_config(use_cpu_backend=cpu), forward_loop)
+        if not passes:
+            # A fully dynamic recipe (MXFP4) has no statistics to collect, so ModelOpt skips the
+            # loop; the corpus still goes through once so that expert coverage is known.
+            forward_loop(model)
     finally:
         counter.remove()
         logger.debug("modelopt: %s", chatter.getvalue().strip())

@@ -27,6 +27,7 @@ def tiny_config(arch: str):
                                **common)
         config.architectures = ["Glm4MoeForCausalLM"]
     elif arch == "deepseek_v3":
+        common["num_key_value_heads"] = common["num_attention_heads"]  # MLA: one K/V per head
         config = DeepseekV3Config(intermediate_size=128, moe_intermediate_size=32, n_routed_experts=4,
                                   n_shared_experts=1, num_experts_per_tok=2, first_k_dense_replace=1,
                                   n_group=1, topk_group=1, q_lora_rank=32, kv_lora_rank=32,

@@ -1,0 +1,57 @@
+"""Tiny Glm4Moe and DeepseekV3 (the architectures GLM and Kimi ship): experts quantized per expert,
+routers kept in BF16, every expert calibrated, and a refusal when one was not."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from fp4prep.pipeline import PipelineError
+
+from .helpers import run_tiny
+from .test_run import tensors
+
+
+@pytest.mark.parametrize(("arch", "quantization"), [("glm4_moe", "nvfp4"), ("deepseek_v3", "nvfp4"), ("glm4_moe", "mxfp4")])
+def test_moe_models_export_every_expert_with_its_scales(make_base, calibration_file: Path, tmp_path: Path, arch: str, quantization: str) -> None:
+    base = make_base(arch)
+    out = tmp_path / "out"
+    result = run_tiny(base, out, quantization, calibration_file=calibration_file)
+
+    counts = result.expert_tokens["model.layers.1.mlp"]
+    assert len(counts) == 4 and min(counts) > 0
+    # top-2 routing: every calibration token is counted twice in the MoE layer
+    assert sum(counts) == 2 * (result.corpus.user_tokens + result.corpus.general_tokens)
+    t = tensors(out)
+    packed = "weight" if quantization == "nvfp4" else "weight_packed"
+    for e in range(4):
+        for proj in ("gate_proj", "up_proj", "down_proj"):
+            prefix = f"model.layers.1.mlp.experts.{e}.{proj}"
+            assert t[f"{prefix}.{packed}"].dtype == torch.uint8
+            if quantization == "nvfp4":
+                assert float(t[f"{prefix}.input_scale"]) > 0
+        if quantization == "nvfp4":
+            gate, up = (float(t[f"model.layers.1.mlp.experts.{e}.{p}.weight_scale_2"]) for p in ("gate_proj", "up_proj"))
+            assert gate == up  # vLLM uses the gate's global scale for both
+    assert t["model.layers.1.mlp.gate.weight"].dtype == torch.bfloat16
+    assert not any(k.startswith("model.layers.1.mlp.gate.") and "scale" in k for k in t)
+    config = json.loads((out / "config.json").read_text())["quantization_config"]
+    excluded = config.get("ignore") or config.get("exclude_modules")
+    assert "model.layers.1.mlp.gate" in excluded
+    assert result.reload_max_logit_diff == 0.0
+
+
+def test_it_refuses_to_export_an_expert_that_received_no_tokens(make_base, tmp_path: Path) -> None:
+    base = make_base("glm4_moe")
+    weights = load_file(str(base / "model.safetensors"))
+    bias = weights["model.layers.1.mlp.gate.e_score_correction_bias"].clone()
+    bias[3] = -1e4  # the router can never pick expert 3
+    weights["model.layers.1.mlp.gate.e_score_correction_bias"] = bias
+    save_file(weights, str(base / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(PipelineError, match=r"1 MoE experts received no calibration tokens \(model.layers.1.mlp.experts.3\)"):
+        run_tiny(base, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
