@@ -27,6 +27,7 @@ LINEAGE_FILE = "fp4prep.json"
 
 
 def export(model: torch.nn.Module, recipe: Recipe, tokenizer: Any, output_dir: Path) -> None:
+    """ModelOpt's unified export, then our layout fix-ups and the tokenizer."""
     from modelopt.torch.export import export_hf_checkpoint
 
     output_dir.mkdir(parents=True, exist_ok=True)
@@ -34,7 +35,7 @@ def export(model: torch.nn.Module, recipe: Recipe, tokenizer: Any, output_dir: P
         export_hf_checkpoint(model, dtype=torch.bfloat16, export_dir=output_dir)
     tokenizer.save_pretrained(output_dir)
     if recipe.layout == "compressed-tensors":
-        to_compressed_tensors(output_dir, output_dir)
+        to_compressed_tensors(output_dir, output_dir, activations=recipe.activations_quantized)
 
 
 def _fnmatch_to_ct(pattern: str) -> str:
@@ -43,20 +44,20 @@ def _fnmatch_to_ct(pattern: str) -> str:
     return "re:" + re.escape(pattern).replace(r"\*", ".*").replace(r"\?", ".") + "$"
 
 
-def _ct_scheme(quant_algo: str) -> tuple[str, dict[str, Any], dict[str, Any] | None]:
+def _ct_scheme(quant_algo: str, activations: bool) -> tuple[str, dict[str, Any], dict[str, Any] | None]:
     if quant_algo == "NVFP4":
         weights = {"num_bits": 4, "type": "float", "strategy": "tensor_group", "group_size": 16,
                    "symmetric": True, "dynamic": False, "scale_dtype": "torch.float8_e4m3fn"}
         inputs = {**weights, "dynamic": "local", "observer": "static_minmax"}
-        return "nvfp4-pack-quantized", weights, inputs
+        return "nvfp4-pack-quantized", weights, inputs if activations else None
     if quant_algo.lower() == "mxfp4":
         weights = {"num_bits": 4, "type": "float", "strategy": "group", "group_size": 32,
                    "symmetric": True, "dynamic": False, "scale_dtype": "torch.uint8"}
-        return "mxfp4-pack-quantized", weights, {**weights, "dynamic": True}
+        return "mxfp4-pack-quantized", weights, {**weights, "dynamic": True} if activations else None
     raise PipelineError(f"no compressed-tensors layout for {quant_algo}")
 
 
-def to_compressed_tensors(src: Path, dst: Path) -> None:
+def to_compressed_tensors(src: Path, dst: Path, activations: bool = True) -> None:
     """Rewrite a ModelOpt NVFP4/MXFP4 export in compressed-tensors' pack-quantized layout.
 
     Exact: packed bytes and block scales are copied; NVFP4 global scales become CT's reciprocal
@@ -65,7 +66,7 @@ def to_compressed_tensors(src: Path, dst: Path) -> None:
     quant_config_path = src / QUANT_CONFIG_FILE
     modelopt_config = json.loads(quant_config_path.read_text())["quantization"]
     quant_algo = modelopt_config["quant_algo"]
-    fmt, weights, inputs = _ct_scheme(quant_algo)
+    fmt, weights, inputs = _ct_scheme(quant_algo, activations)
     dst.mkdir(parents=True, exist_ok=True)
     for path in sorted(src.glob("*.safetensors")):
         out: dict[str, torch.Tensor] = {}

@@ -52,7 +52,8 @@ def detect_layout(config: dict[str, Any]) -> Layout:
         if fmt == "nvfp4-pack-quantized":
             return Layout("nvfp4", "weight_packed", True, False)
         if fmt == "mxfp4-pack-quantized":
-            return Layout("mxfp4", "weight_packed", True, True)
+            group = next(iter((qc.get("config_groups") or {}).values()), {})
+            return Layout("mxfp4", "weight_packed", True, bool(group.get("input_activations")))
         raise PipelineError(f"the reader does not know compressed-tensors' {fmt}")
     raise PipelineError(f"the reader does not know quant_method {method!r}")
 

@@ -50,6 +50,8 @@ class Recipe:
             if use_cpu_backend and isinstance(cfg, dict) and fakequant.handles(cfg.get("num_bits")):
                 cfg["backend"] = fakequant.BACKEND_NAME
         entries.extend({"quantizer_name": p, "enable": False} for p in BF16_PATTERNS)
+        if not self.activations_quantized:
+            entries.append({"quantizer_name": "*input_quantizer", "enable": False})
         return config
 
 
@@ -72,12 +74,14 @@ RECIPES: dict[str, Recipe] = {
     ),
     "mxfp4": Recipe(
         name="mxfp4",
+        # Weights only, as MXFP4 releases ship (gpt-oss: E2M1 weights, BF16 activations);
+        # engines run it as W4A16 MXFP4.
         modelopt_config="MXFP4_DEFAULT_CFG",
         block_size=32,
         layout="compressed-tensors",
         quant_algo="mxfp4-pack-quantized",
         weight_bits=4.25,
-        activations_quantized=True,
+        activations_quantized=False,
         thresholds=Thresholds(
             top1_agreement=0.70,
             mean_kl=0.6,
