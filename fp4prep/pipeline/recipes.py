@@ -19,7 +19,11 @@ BF16_PATTERNS = ("*lm_head*", "*embed_tokens*", "*mlp.gate.*", "*router*", "*sha
 
 @dataclass(frozen=True)
 class Thresholds:
-    """Minimum behaviour a checkpoint must show against the BF16 merged model."""
+    """Minimum behaviour a checkpoint must show against the BF16 merged model.
+
+    The defaults per recipe were set from the embedded demo (SmolLM2-135M, where 4-bit costs the
+    most) with margin; the reload bound is tight because on the CPU the reader is bit-exact.
+    """
 
     top1_agreement: float
     mean_kl: float  # nats per token, at most
@@ -65,11 +69,11 @@ RECIPES: dict[str, Recipe] = {
         weight_bits=4.5,
         activations_quantized=True,
         thresholds=Thresholds(
-            top1_agreement=0.0,
-            mean_kl=99,
-            identical_greedy=0.0,
+            top1_agreement=0.5,
+            mean_kl=1.5,
+            identical_greedy=0.5,
             adapter_retention=0.5,
-            reload_max_logit_diff=0.5,
+            reload_max_logit_diff=1e-3,
         ),
     ),
     "mxfp4": Recipe(
@@ -83,11 +87,11 @@ RECIPES: dict[str, Recipe] = {
         weight_bits=4.25,
         activations_quantized=False,
         thresholds=Thresholds(
-            top1_agreement=0.70,
-            mean_kl=0.6,
-            identical_greedy=0.15,
+            top1_agreement=0.5,
+            mean_kl=1.5,
+            identical_greedy=0.4,
             adapter_retention=0.5,
-            reload_max_logit_diff=0.5,
+            reload_max_logit_diff=1e-3,
         ),
     ),
     "fp8": Recipe(
@@ -99,11 +103,11 @@ RECIPES: dict[str, Recipe] = {
         weight_bits=8.0,
         activations_quantized=True,
         thresholds=Thresholds(
-            top1_agreement=0.95,
-            mean_kl=0.05,
+            top1_agreement=0.8,
+            mean_kl=0.2,
             identical_greedy=0.6,
             adapter_retention=0.8,
-            reload_max_logit_diff=0.5,
+            reload_max_logit_diff=1e-3,
         ),
     ),
 }
