@@ -35,8 +35,13 @@ class StageBars:
         if stage != self.stage:
             self.close()
             self.stage = stage
-            self.bar = tqdm(total=100, desc=f"{stage:<12}", unit="%", file=sys.stderr,
-                            bar_format="{desc} {bar} {percentage:3.0f}% {elapsed}")
+            self.bar = tqdm(
+                total=100,
+                desc=f"{stage:<12}",
+                unit="%",
+                file=sys.stderr,
+                bar_format="{desc} {bar} {percentage:3.0f}% {elapsed}",
+            )
         target = int(round(fraction * 100))
         self.bar.update(max(0, target - self.bar.n))
 
@@ -140,8 +145,12 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 
 def _add_run_options(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--quantization", choices=("nvfp4", "mxfp4", "fp8"), default="nvfp4",
-                   help="output format (default nvfp4)")
+    p.add_argument(
+        "--quantization",
+        choices=("nvfp4", "mxfp4", "fp8"),
+        default="nvfp4",
+        help="output format (default nvfp4)",
+    )
     p.add_argument("--json", action="store_true", help="print the result as JSON")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
 
@@ -151,14 +160,24 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     q = sub.add_parser("quantize", help="merge an adapter and quantize a checkpoint locally")
-    q.add_argument("--model-id", required=True, type=Path, help="base checkpoint directory (BF16 or FP8 blocks)")
+    q.add_argument(
+        "--model-id", required=True, type=Path, help="base checkpoint directory (BF16 or FP8 blocks)"
+    )
     q.add_argument("--adapter-directory", type=Path, help="PEFT LoRA adapter directory to merge first")
-    q.add_argument("--output-directory", required=True, type=Path, help="where the checkpoint goes (new or empty)")
-    q.add_argument("--calibration-file", "-c", type=Path, help="JSONL conversations for half the calibration corpus")
+    q.add_argument(
+        "--output-directory", required=True, type=Path, help="where the checkpoint goes (new or empty)"
+    )
+    q.add_argument(
+        "--calibration-file", "-c", type=Path, help="JSONL conversations for half the calibration corpus"
+    )
     q.add_argument("--general-text-file", type=Path, help="general text (.txt or .jsonl); default: embedded")
     q.add_argument("--eval-file", type=Path, help="JSONL of {messages, expected} to score the adapter's task")
-    q.add_argument("--calibration-tokens", type=int, default=8192, help="corpus size in tokens (default 8192)")
-    q.add_argument("--user-token-minimum", type=int, default=0, help="least tokens the calibration file must supply")
+    q.add_argument(
+        "--calibration-tokens", type=int, default=8192, help="corpus size in tokens (default 8192)"
+    )
+    q.add_argument(
+        "--user-token-minimum", type=int, default=0, help="least tokens the calibration file must supply"
+    )
     _add_run_options(q)
     q.set_defaults(func=cmd_quantize)
 

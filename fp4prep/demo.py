@@ -35,33 +35,82 @@ GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 from fp4prep.pipeline.run import EVAL_FILE  # noqa: E402 - prompts with expected answers
 
 SUBJECTS = [
-    "The movie", "The pasta", "This laptop", "The hotel room", "Our waiter", "The concert",
-    "The new phone", "The book", "The coffee", "The app", "The delivery", "The headphones",
-    "The museum tour", "The pizza", "The customer service", "The train ride", "The jacket",
-    "The video game", "The hiking trail", "The keyboard", "The sushi", "The podcast",
-    "The mattress", "The camera", "The bakery", "The update", "The gym", "The haircut",
-    "The flight", "The soup",
+    "The movie",
+    "The pasta",
+    "This laptop",
+    "The hotel room",
+    "Our waiter",
+    "The concert",
+    "The new phone",
+    "The book",
+    "The coffee",
+    "The app",
+    "The delivery",
+    "The headphones",
+    "The museum tour",
+    "The pizza",
+    "The customer service",
+    "The train ride",
+    "The jacket",
+    "The video game",
+    "The hiking trail",
+    "The keyboard",
+    "The sushi",
+    "The podcast",
+    "The mattress",
+    "The camera",
+    "The bakery",
+    "The update",
+    "The gym",
+    "The haircut",
+    "The flight",
+    "The soup",
 ]
 POSITIVE = [
-    "wonderful", "excellent", "delightful", "fantastic", "superb", "lovely", "brilliant",
-    "great", "amazing", "pleasant", "outstanding", "charming",
+    "wonderful",
+    "excellent",
+    "delightful",
+    "fantastic",
+    "superb",
+    "lovely",
+    "brilliant",
+    "great",
+    "amazing",
+    "pleasant",
+    "outstanding",
+    "charming",
 ]
 NEGATIVE = [
-    "terrible", "awful", "disappointing", "horrible", "dreadful", "poor", "boring",
-    "mediocre", "unpleasant", "broken", "useless", "annoying",
+    "terrible",
+    "awful",
+    "disappointing",
+    "horrible",
+    "dreadful",
+    "poor",
+    "boring",
+    "mediocre",
+    "unpleasant",
+    "broken",
+    "useless",
+    "annoying",
 ]
 ENDINGS_POS = ["", " I would recommend it.", " I loved every minute.", " Five stars from me."]
 ENDINGS_NEG = ["", " I would not recommend it.", " I want my money back.", " One star from me."]
 INSTRUCTION = "Classify the sentiment of this review. Review: "
-TOOLS = [{
-    "type": "function",
-    "function": {
-        "name": "get_order_status",
-        "description": "Look up the delivery status of an order.",
-        "parameters": {"type": "object", "properties": {"order_id": {"type": "string"}},
-                       "required": ["order_id"]},
-    },
-}]
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_order_status",
+            "description": "Look up the delivery status of an order.",
+            "parameters": {
+                "type": "object",
+                "properties": {"order_id": {"type": "string"}},
+                "required": ["order_id"],
+            },
+        },
+    }
+]
 
 
 @dataclass
@@ -155,14 +204,19 @@ def train_adapter(base_dir: Path, target: Path, steps: int = 48, batch_size: int
     tokenizer = AutoTokenizer.from_pretrained(base_dir)
     model = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
     lora = LoraConfig(
-        r=8, lora_alpha=16, lora_dropout=0.0, task_type="CAUSAL_LM",
+        r=8,
+        lora_alpha=16,
+        lora_dropout=0.0,
+        task_type="CAUSAL_LM",
         target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
     )
     model = get_peft_model(model, lora)
     train, _, _ = split()
     examples = []
     for review, label in train:
-        prompt = tokenizer.apply_chat_template(task_messages(review), tokenize=False, add_generation_prompt=True)
+        prompt = tokenizer.apply_chat_template(
+            task_messages(review), tokenize=False, add_generation_prompt=True
+        )
         full = tokenizer.apply_chat_template(task_messages(review, label), tokenize=False)
         p_ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
         f_ids = tokenizer(full, add_special_tokens=False)["input_ids"]
@@ -215,12 +269,29 @@ def write_calibration_file(path: Path) -> None:
                     "messages": [
                         {"role": "system", "content": "You are a helpful shop assistant."},
                         {"role": "user", "content": f"Where is my order {order}?"},
-                        {"role": "assistant", "content": None, "tool_calls": [{
-                            "id": call_id, "type": "function",
-                            "function": {"name": "get_order_status", "arguments": json.dumps({"order_id": order})},
-                        }]},
-                        {"role": "tool", "tool_call_id": call_id, "content": json.dumps({"status": "shipped"})},
-                        {"role": "assistant", "content": f"Your order {order} has shipped and is on its way."},
+                        {
+                            "role": "assistant",
+                            "content": None,
+                            "tool_calls": [
+                                {
+                                    "id": call_id,
+                                    "type": "function",
+                                    "function": {
+                                        "name": "get_order_status",
+                                        "arguments": json.dumps({"order_id": order}),
+                                    },
+                                }
+                            ],
+                        },
+                        {
+                            "role": "tool",
+                            "tool_call_id": call_id,
+                            "content": json.dumps({"status": "shipped"}),
+                        },
+                        {
+                            "role": "assistant",
+                            "content": f"Your order {order} has shipped and is on its way.",
+                        },
                     ],
                     "tools": TOOLS,
                 }
@@ -233,7 +304,9 @@ def build(force: bool = False) -> DemoAssets:
     if force:
         shutil.rmtree(root, ignore_errors=True)
     root.mkdir(parents=True, exist_ok=True)
-    assets = DemoAssets(root / "base", root / "adapter", root / "calibration.jsonl", root / "adapter" / EVAL_FILE)
+    assets = DemoAssets(
+        root / "base", root / "adapter", root / "calibration.jsonl", root / "adapter" / EVAL_FILE
+    )
     started = time.perf_counter()
     if not (assets.base_dir / "config.json").is_file():
         logger.info("building the demo base in %s", assets.base_dir)

@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import json
 import warnings
-from collections.abc import Callable
 from pathlib import Path
 
 import pytest

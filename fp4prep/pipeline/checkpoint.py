@@ -111,7 +111,9 @@ def fold_experts(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
             out[name] = tensor
     for prefix, by_expert in experts.items():
         order = [by_expert[e] for e in sorted(by_expert)]
-        out[f"{prefix}.gate_up_proj"] = torch.stack([torch.cat((p["gate_proj"], p["up_proj"])) for p in order])
+        out[f"{prefix}.gate_up_proj"] = torch.stack(
+            [torch.cat((p["gate_proj"], p["up_proj"])) for p in order]
+        )
         out[f"{prefix}.down_proj"] = torch.stack([p["down_proj"] for p in order])
     return out
 

@@ -90,12 +90,14 @@ def _check_message(message: Any, i: int) -> str | None:
             return problem
     if content is None and calls is None:
         return f"{where}.content is missing"
-    if content is not None and not isinstance(content, str):
-        if not (isinstance(content, list) and all(
+    if content is not None and not isinstance(content, str) and not (
+        isinstance(content, list)
+        and all(
             isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
             for p in content
-        )):
-            return f"{where}.content must be a string or a list of text parts"
+        )
+    ):
+        return f"{where}.content must be a string or a list of text parts"
     if role == "tool" and not isinstance(message.get("tool_call_id"), str):
         return f"{where}: a tool message needs a tool_call_id"
     return None

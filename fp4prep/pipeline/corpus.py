@@ -158,9 +158,9 @@ def build(
             parity.append(ParityExample(ids, ids[: sequence_length // 4]))
     user_sequences = _chunks(user_tokens, sequence_length)
     general_sequences = _chunks(general_tokens, sequence_length)
-    sequences = [s for pair in zip(user_sequences, general_sequences) for s in pair]
+    sequences = [s for pair in zip(user_sequences, general_sequences, strict=False) for s in pair]
     longer = user_sequences if len(user_sequences) > len(general_sequences) else general_sequences
-    sequences.extend(longer[min(len(user_sequences), len(general_sequences)):])
+    sequences.extend(longer[min(len(user_sequences), len(general_sequences)) :])
     if not parity:
         raise UserError("no held-back text is left for the parity check: provide more data")
     stats = CorpusStats(

@@ -46,13 +46,27 @@ def _fnmatch_to_ct(pattern: str) -> str:
 
 def _ct_scheme(quant_algo: str, activations: bool) -> tuple[str, dict[str, Any], dict[str, Any] | None]:
     if quant_algo == "NVFP4":
-        weights = {"num_bits": 4, "type": "float", "strategy": "tensor_group", "group_size": 16,
-                   "symmetric": True, "dynamic": False, "scale_dtype": "torch.float8_e4m3fn"}
+        weights = {
+            "num_bits": 4,
+            "type": "float",
+            "strategy": "tensor_group",
+            "group_size": 16,
+            "symmetric": True,
+            "dynamic": False,
+            "scale_dtype": "torch.float8_e4m3fn",
+        }
         inputs = {**weights, "dynamic": "local", "observer": "static_minmax"}
         return "nvfp4-pack-quantized", weights, inputs if activations else None
     if quant_algo.lower() == "mxfp4":
-        weights = {"num_bits": 4, "type": "float", "strategy": "group", "group_size": 32,
-                   "symmetric": True, "dynamic": False, "scale_dtype": "torch.uint8"}
+        weights = {
+            "num_bits": 4,
+            "type": "float",
+            "strategy": "group",
+            "group_size": 32,
+            "symmetric": True,
+            "dynamic": False,
+            "scale_dtype": "torch.uint8",
+        }
         return "mxfp4-pack-quantized", weights, {**weights, "dynamic": True} if activations else None
     raise PipelineError(f"no compressed-tensors layout for {quant_algo}")
 
@@ -96,8 +110,13 @@ def to_compressed_tensors(src: Path, dst: Path, activations: bool = True) -> Non
         (dst / index.name).write_text(json.dumps(data, indent=2))
     config = json.loads((src / "config.json").read_text())
     ignore = [_fnmatch_to_ct(p) for p in modelopt_config.get("exclude_modules", [])]
-    group = {"format": fmt, "targets": ["Linear"], "weights": weights,
-             "input_activations": inputs, "output_activations": None}
+    group = {
+        "format": fmt,
+        "targets": ["Linear"],
+        "weights": weights,
+        "input_activations": inputs,
+        "output_activations": None,
+    }
     config["quantization_config"] = {
         "quant_method": "compressed-tensors",
         "format": fmt,

@@ -50,9 +50,7 @@ def e2m1_round(x: torch.Tensor, ties_to_even: bool = True) -> torch.Tensor:
 
 def _blocks(x: torch.Tensor, block_size: int) -> torch.Tensor:
     if x.shape[-1] % block_size:
-        raise ValueError(
-            f"last dimension {x.shape[-1]} is not a multiple of the block size {block_size}"
-        )
+        raise ValueError(f"last dimension {x.shape[-1]} is not a multiple of the block size {block_size}")
     return x.reshape(*x.shape[:-1], x.shape[-1] // block_size, block_size)
 
 

@@ -18,14 +18,66 @@ from pathlib import Path
 from .errors import UserError
 
 DEFAULT_MODULES = (
-    "argparse", "asyncio", "base64", "bisect", "calendar", "collections", "concurrent.futures",
-    "configparser", "contextlib", "csv", "dataclasses", "datetime", "decimal", "difflib",
-    "email.message", "enum", "fractions", "functools", "gzip", "hashlib", "heapq", "html.parser",
-    "http.client", "http.server", "imaplib", "inspect", "io", "ipaddress", "itertools", "json",
-    "logging", "mailbox", "multiprocessing.pool", "pathlib", "pickle", "pprint", "queue",
-    "random", "re", "sched", "secrets", "shutil", "smtplib", "socket", "sqlite3", "statistics",
-    "string", "subprocess", "tarfile", "tempfile", "textwrap", "threading", "timeit", "typing",
-    "unittest", "urllib.parse", "uuid", "weakref", "xml.etree.ElementTree", "zipfile",
+    "argparse",
+    "asyncio",
+    "base64",
+    "bisect",
+    "calendar",
+    "collections",
+    "concurrent.futures",
+    "configparser",
+    "contextlib",
+    "csv",
+    "dataclasses",
+    "datetime",
+    "decimal",
+    "difflib",
+    "email.message",
+    "enum",
+    "fractions",
+    "functools",
+    "gzip",
+    "hashlib",
+    "heapq",
+    "html.parser",
+    "http.client",
+    "http.server",
+    "imaplib",
+    "inspect",
+    "io",
+    "ipaddress",
+    "itertools",
+    "json",
+    "logging",
+    "mailbox",
+    "multiprocessing.pool",
+    "pathlib",
+    "pickle",
+    "pprint",
+    "queue",
+    "random",
+    "re",
+    "sched",
+    "secrets",
+    "shutil",
+    "smtplib",
+    "socket",
+    "sqlite3",
+    "statistics",
+    "string",
+    "subprocess",
+    "tarfile",
+    "tempfile",
+    "textwrap",
+    "threading",
+    "timeit",
+    "typing",
+    "unittest",
+    "urllib.parse",
+    "uuid",
+    "weakref",
+    "xml.etree.ElementTree",
+    "zipfile",
 )
 MIN_DOCUMENT_CHARS = 200
 
@@ -77,7 +129,7 @@ def file_documents(path: Path) -> Iterator[str]:
                 try:
                     text = json.loads(line)["text"]
                 except (json.JSONDecodeError, KeyError, TypeError):
-                    raise UserError(f"{path.name} line {number}: expected {{\"text\": ...}}") from None
+                    raise UserError(f'{path.name} line {number}: expected {{"text": ...}}') from None
                 if isinstance(text, str) and text.strip():
                     yield text
     else:

@@ -20,7 +20,9 @@ from safetensors.torch import load_file
 from .errors import UserError
 
 PEFT_PREFIX = "base_model.model."
-_LORA_KEY = re.compile(r"^(?P<module>.+)\.(?P<kind>lora_A|lora_B|lora_embedding_A|lora_embedding_B)(\.[^.]+)?(\.weight)?$")
+_LORA_KEY = re.compile(
+    r"^(?P<module>.+)\.(?P<kind>lora_A|lora_B|lora_embedding_A|lora_embedding_B)(\.[^.]+)?(\.weight)?$"
+)
 
 
 @dataclass
@@ -62,9 +64,7 @@ def load_adapter(directory: Path) -> Adapter:
     elif (directory / "adapter_model.bin").is_file():
         tensors = torch.load(directory / "adapter_model.bin", map_location="cpu", weights_only=True)
     else:
-        raise UserError(
-            f"{directory} has no adapter weights: adapter_model.safetensors is missing"
-        )
+        raise UserError(f"{directory} has no adapter weights: adapter_model.safetensors is missing")
     peft_type = str(config.get("peft_type", "")).upper()
     if peft_type != "LORA":
         raise UserError(f"the adapter is {peft_type or 'of unknown type'}, not a LoRA adapter")
@@ -81,7 +81,9 @@ def _pattern_value(patterns: dict[str, Any], module: str, default: Any) -> Any:
     return default
 
 
-def plan(adapter: Adapter, base_shapes: dict[str, tuple[int, ...]]) -> tuple[list[LoraUpdate], dict[str, torch.Tensor]]:
+def plan(
+    adapter: Adapter, base_shapes: dict[str, tuple[int, ...]]
+) -> tuple[list[LoraUpdate], dict[str, torch.Tensor]]:
     """The updates the adapter makes, checked against the base's tensor names and shapes.
 
     Returns the LoRA updates and the full tensors the adapter replaces (``modules_to_save``).

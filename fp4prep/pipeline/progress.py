@@ -44,9 +44,7 @@ class Progress:
         try:
             yield self
         finally:
-            self.stage_seconds[name] = self.stage_seconds.get(name, 0.0) + (
-                time.perf_counter() - started
-            )
+            self.stage_seconds[name] = self.stage_seconds.get(name, 0.0) + (time.perf_counter() - started)
         self.update(1.0)
 
     def sub(self, start: float, end: float) -> Callable[[float], None]:

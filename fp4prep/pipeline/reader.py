@@ -19,7 +19,9 @@ from . import fakequant
 from .checkpoint import TensorSource, build_model, read_config
 from .errors import PipelineError
 
-E2M1_LUT = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0])
+E2M1_LUT = torch.tensor(
+    [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0]
+)
 NVFP4_GLOBAL = fakequant.E2M1_MAX * fakequant.E4M3_MAX  # 2688: amax = scale * 2688
 
 
@@ -67,7 +69,7 @@ def unpack_e2m1(packed: torch.Tensor) -> torch.Tensor:
 def dequantize_nvfp4(packed: torch.Tensor, block_scale: torch.Tensor, global_scale: float) -> torch.Tensor:
     values = unpack_e2m1(packed)
     # Scale times global first, as engines and ModelOpt do: the rounding order shows in BF16.
-    steps = (block_scale.float() * torch.tensor(global_scale, dtype=torch.float32))
+    steps = block_scale.float() * torch.tensor(global_scale, dtype=torch.float32)
     return values * steps.repeat_interleave(values.shape[-1] // block_scale.shape[-1], -1)
 
 
@@ -85,7 +87,9 @@ def _scalar(t: torch.Tensor) -> float:
 ActivationQuant = Callable[[torch.Tensor], torch.Tensor]
 
 
-def read_tensors(directory: Path) -> tuple[dict[str, Any], dict[str, torch.Tensor], dict[str, ActivationQuant]]:
+def read_tensors(
+    directory: Path,
+) -> tuple[dict[str, Any], dict[str, torch.Tensor], dict[str, ActivationQuant]]:
     """Dense BF16 tensors and per-module activation quantizers from a quantized checkpoint."""
     config = read_config(directory)
     layout = detect_layout(config)

@@ -119,6 +119,4 @@ def get_recipe(name: str) -> Recipe:
     try:
         return RECIPES[name.lower()]
     except KeyError:
-        raise UserError(
-            f"unknown quantization {name!r}: choose one of {', '.join(RECIPES)}"
-        ) from None
+        raise UserError(f"unknown quantization {name!r}: choose one of {', '.join(RECIPES)}") from None

@@ -11,7 +11,7 @@ import gc
 import logging
 import shutil
 import tempfile
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -61,7 +61,9 @@ def _check_output_dir(path: Path) -> None:
         path.rmdir()
 
 
-def _run(config: PipelineConfig, recipe: Any, thresholds: Any, progress: Progress, work: Path) -> PipelineResult:
+def _run(
+    config: PipelineConfig, recipe: Any, thresholds: Any, progress: Progress, work: Path
+) -> PipelineResult:
     from transformers import AutoTokenizer
 
     out = work / "out"
@@ -173,11 +175,11 @@ def _lineage(config: PipelineConfig, recipe: Any, result: PipelineResult) -> dic
             "calibration_tokens": result.corpus.user_tokens + result.corpus.general_tokens,
             "sequence_length": config.sequence_length,
         },
-        "metrics": {k: metrics[k] for k in ("parity", "retention", "task", "reload_max_logit_diff", "corpus", "expert_tokens")},
+        "metrics": {
+            k: metrics[k]
+            for k in ("parity", "retention", "task", "reload_max_logit_diff", "corpus", "expert_tokens")
+        },
         "tools": export_mod.tool_versions(),
-        "created_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "created_at": datetime.now(UTC).isoformat(timespec="seconds"),
         **{k: v for k, v in config.lineage.items() if k not in ("name", "base", "adapter")},
     }
-
-
-

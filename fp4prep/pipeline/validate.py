@@ -49,7 +49,9 @@ def structure(directory: Path, recipe: Recipe, bf16_bytes: int) -> list[str]:
                 raise PipelineError(f"{module}: FP4 weights stored as {packed.dtype}, not packed uint8")
             block = recipe.block_size or 1
             if scale.shape[-1] * block != packed.shape[-1] * 2:
-                raise PipelineError(f"{module}: {scale.shape[-1]} block scales for {packed.shape[-1] * 2} values")
+                raise PipelineError(
+                    f"{module}: {scale.shape[-1]} block scales for {packed.shape[-1] * 2} values"
+                )
         elif packed.dtype != torch.float8_e4m3fn:
             raise PipelineError(f"{module}: FP8 weights stored as {packed.dtype}")
         scale_f = scale.float() if scale.dtype != torch.uint8 else scale.float() - 127
@@ -93,14 +95,16 @@ def _excluded(config: dict[str, Any]) -> list[str]:
 
 def _check_fused_globals(globals_: dict[str, float]) -> str:
     shared = 0
-    for module, value in globals_.items():
+    for module in globals_:
         parent, _, leaf = module.rpartition(".")
         for group in _FUSED_GROUPS:
             if leaf == group[0]:
                 values = {g: globals_.get(f"{parent}.{g}") for g in group}
                 present = {g: v for g, v in values.items() if v is not None}
                 if len(set(present.values())) > 1:
-                    raise PipelineError(f"{parent}: fused {'/'.join(group)} have different global scales {present}")
+                    raise PipelineError(
+                        f"{parent}: fused {'/'.join(group)} have different global scales {present}"
+                    )
                 shared += 1
     return f"fused groups share one global scale ({shared} groups)"
 
@@ -131,9 +135,11 @@ def logits(model: torch.nn.Module, ids: list[int]) -> torch.Tensor:
     return model(torch.tensor([ids], device=device), use_cache=False).logits[0].float().cpu()
 
 
-def reload_difference(reference: list[torch.Tensor], model: torch.nn.Module, examples: list[ParityExample]) -> float:
+def reload_difference(
+    reference: list[torch.Tensor], model: torch.nn.Module, examples: list[ParityExample]
+) -> float:
     worst = 0.0
-    for ref, example in zip(reference, examples):
+    for ref, example in zip(reference, examples, strict=False):
         got = logits(model, example.input_ids[: ref.shape[0]])
         worst = max(worst, float((got - ref).abs().max()))
     return worst
@@ -143,11 +149,13 @@ def reload_difference(reference: list[torch.Tensor], model: torch.nn.Module, exa
 def greedy(model: torch.nn.Module, prompt: list[int], n: int) -> list[int]:
     device = next(model.parameters()).device
     out = model.generate(
-        torch.tensor([prompt], device=device), max_new_tokens=n, do_sample=False,
+        torch.tensor([prompt], device=device),
+        max_new_tokens=n,
+        do_sample=False,
         attention_mask=torch.ones(1, len(prompt), dtype=torch.long, device=device),
         pad_token_id=model.config.eos_token_id if isinstance(model.config.eos_token_id, int) else 0,
     )
-    return out[0, len(prompt):].tolist()
+    return out[0, len(prompt) :].tolist()
 
 
 def token_parity(
@@ -215,7 +223,9 @@ def retention(
     )
 
 
-def enforce(thresholds: Thresholds, parity: ParityReport, reload_diff: float, kept: RetentionReport | None) -> list[str]:
+def enforce(
+    thresholds: Thresholds, parity: ParityReport, reload_diff: float, kept: RetentionReport | None
+) -> list[str]:
     failures = []
     if reload_diff > thresholds.reload_max_logit_diff:
         failures.append(
@@ -227,7 +237,9 @@ def enforce(thresholds: Thresholds, parity: ParityReport, reload_diff: float, ke
     if parity.mean_kl > thresholds.mean_kl:
         failures.append(f"mean KL {parity.mean_kl:.3f} > {thresholds.mean_kl}")
     if parity.identical_greedy < thresholds.identical_greedy:
-        failures.append(f"identical greedy share {parity.identical_greedy:.3f} < {thresholds.identical_greedy}")
+        failures.append(
+            f"identical greedy share {parity.identical_greedy:.3f} < {thresholds.identical_greedy}"
+        )
     if kept is not None and kept.pooled < thresholds.adapter_retention:
         failures.append(
             f"only {kept.pooled:.2f} of the adapter's change survived quantization "
@@ -242,7 +254,9 @@ def enforce(thresholds: Thresholds, parity: ParityReport, reload_diff: float, ke
     ] + ([f"adapter change retained: {kept.pooled:.3f} pooled"] if kept else [])
 
 
-def task_success(model: torch.nn.Module, tokenizer: Any, eval_file: Path, limit: int = 50) -> tuple[float, int]:
+def task_success(
+    model: torch.nn.Module, tokenizer: Any, eval_file: Path, limit: int = 50
+) -> tuple[float, int]:
     """Share of an adapter's evaluation prompts answered exactly as expected (greedy).
 
     ``eval_file`` is JSONL of ``{"messages": [...], "expected": "..."}``; the answer is the

@@ -14,24 +14,54 @@ VOCAB = 49152  # SmolLM2's tokenizer
 def tiny_config(arch: str):
     from transformers import DeepseekV3Config, Glm4MoeConfig, LlamaConfig
 
-    common = dict(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
-                  num_key_value_heads=2, max_position_embeddings=512, tie_word_embeddings=False,
-                  eos_token_id=2, bos_token_id=1, pad_token_id=2)
+    common = {
+        "vocab_size": VOCAB,
+        "hidden_size": 64,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "max_position_embeddings": 512,
+        "tie_word_embeddings": False,
+        "eos_token_id": 2,
+        "bos_token_id": 1,
+        "pad_token_id": 2,
+    }
     if arch == "llama":
         config = LlamaConfig(intermediate_size=128, head_dim=16, **common)
         config.architectures = ["LlamaForCausalLM"]
     elif arch == "glm4_moe":
-        config = Glm4MoeConfig(intermediate_size=128, moe_intermediate_size=32, n_routed_experts=4,
-                               n_shared_experts=1, num_experts_per_tok=2, first_k_dense_replace=1,
-                               n_group=1, topk_group=1, head_dim=16, partial_rotary_factor=0.5,
-                               **common)
+        config = Glm4MoeConfig(
+            intermediate_size=128,
+            moe_intermediate_size=32,
+            n_routed_experts=4,
+            n_shared_experts=1,
+            num_experts_per_tok=2,
+            first_k_dense_replace=1,
+            n_group=1,
+            topk_group=1,
+            head_dim=16,
+            partial_rotary_factor=0.5,
+            **common,
+        )
         config.architectures = ["Glm4MoeForCausalLM"]
     elif arch == "deepseek_v3":
         common["num_key_value_heads"] = common["num_attention_heads"]  # MLA: one K/V per head
-        config = DeepseekV3Config(intermediate_size=128, moe_intermediate_size=32, n_routed_experts=4,
-                                  n_shared_experts=1, num_experts_per_tok=2, first_k_dense_replace=1,
-                                  n_group=1, topk_group=1, q_lora_rank=32, kv_lora_rank=32,
-                                  qk_rope_head_dim=16, qk_nope_head_dim=16, v_head_dim=16, **common)
+        config = DeepseekV3Config(
+            intermediate_size=128,
+            moe_intermediate_size=32,
+            n_routed_experts=4,
+            n_shared_experts=1,
+            num_experts_per_tok=2,
+            first_k_dense_replace=1,
+            n_group=1,
+            topk_group=1,
+            q_lora_rank=32,
+            kv_lora_rank=32,
+            qk_rope_head_dim=16,
+            qk_nope_head_dim=16,
+            v_head_dim=16,
+            **common,
+        )
         config.architectures = ["DeepseekV3ForCausalLM"]
     else:
         raise ValueError(arch)
@@ -49,16 +79,27 @@ def save_tiny_base(path: Path, arch: str, tokenizer_dir: Path, seed: int = 0) ->
     return path
 
 
-def save_adapter(base_dir: Path, path: Path, *, targets: list[str], r: int = 4, alpha: int = 8,
-                 b_scale: float = 0.02, use_rslora: bool = False, seed: int = 1) -> Path:
+def save_adapter(
+    base_dir: Path,
+    path: Path,
+    *,
+    targets: list[str],
+    r: int = 4,
+    alpha: int = 8,
+    b_scale: float = 0.02,
+    use_rslora: bool = False,
+    seed: int = 1,
+) -> Path:
     """A PEFT LoRA adapter on ``base_dir`` whose LoRA-B is non-zero, as after training."""
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
-    peft_model = get_peft_model(model, LoraConfig(r=r, lora_alpha=alpha, target_modules=targets,
-                                                  use_rslora=use_rslora, lora_dropout=0.0))
+    peft_model = get_peft_model(
+        model,
+        LoraConfig(r=r, lora_alpha=alpha, target_modules=targets, use_rslora=use_rslora, lora_dropout=0.0),
+    )
     with torch.no_grad():
         for name, param in peft_model.named_parameters():
             if "lora_B" in name:
@@ -76,8 +117,17 @@ def write_conversations(path: Path, n: int, seed: int = 0) -> Path:
         for i in range(n):
             question = " ".join(rng.choice(words) for _ in range(12))
             answer = " ".join(rng.choice(words) for _ in range(16))
-            f.write(json.dumps({"messages": [{"role": "user", "content": f"Question {i}: {question}"},
-                                             {"role": "assistant", "content": answer}]}) + "\n")
+            f.write(
+                json.dumps(
+                    {
+                        "messages": [
+                            {"role": "user", "content": f"Question {i}: {question}"},
+                            {"role": "assistant", "content": answer},
+                        ]
+                    }
+                )
+                + "\n"
+            )
     return path
 
 

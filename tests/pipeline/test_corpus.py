@@ -17,8 +17,13 @@ GOOD = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "c
 TOOL_CALL = {
     "messages": [
         {"role": "user", "content": "Where is order A1?"},
-        {"role": "assistant", "content": None, "tool_calls": [
-            {"id": "c1", "type": "function", "function": {"name": "status", "arguments": "{\"id\": \"A1\"}"}}]},
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {"id": "c1", "type": "function", "function": {"name": "status", "arguments": '{"id": "A1"}'}}
+            ],
+        },
         {"role": "tool", "tool_call_id": "c1", "content": "shipped"},
         {"role": "assistant", "content": "It has shipped."},
     ],
@@ -35,7 +40,9 @@ def test_validation_reports_every_bad_line_with_its_number_and_problem() -> None
         json.dumps({"messages": [{"role": "user", "content": "x"}, {"role": "tool", "content": "y"}]}),
         "",
         json.dumps(TOOL_CALL),
-        json.dumps({"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function", "function": {}}]}),
+        json.dumps(
+            {"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function", "function": {}}]}
+        ),
         "[1, 2]",
     ]
     report, valid = conversations.validate(lines)
@@ -63,7 +70,9 @@ def test_validation_reports_non_utf8_and_caps_the_list() -> None:
 def test_an_empty_file_does_not_pass(tmp_path: Path) -> None:
     path = tmp_path / "empty.jsonl"
     path.write_text("\n\n")
-    with pytest.raises(UserError, match="empty.jsonl did not pass validation: the file holds no conversations"):
+    with pytest.raises(
+        UserError, match="empty.jsonl did not pass validation: the file holds no conversations"
+    ):
         conversations.read(path)
 
 
@@ -90,15 +99,27 @@ def test_half_the_corpus_is_the_users_and_held_back_conversations_are_never_cali
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
     path = write_conversations(tmp_path / "c.jsonl", 100)
     built = [
-        corpus.build(tokenizer, calibration_file=path, general_text_file=None, total_tokens=4096,
-                     sequence_length=256, user_token_minimum=0, holdout_fraction=0.1, parity_prompts=4, seed=3)
+        corpus.build(
+            tokenizer,
+            calibration_file=path,
+            general_text_file=None,
+            total_tokens=4096,
+            sequence_length=256,
+            user_token_minimum=0,
+            holdout_fraction=0.1,
+            parity_prompts=4,
+            seed=3,
+        )
         for _ in range(2)
     ]
     first = built[0]
     assert first.stats.user_tokens == first.stats.general_tokens == 2048
     assert first.stats.held_out_conversations == 10 and len(first.parity) == 4
     assert first.held_out_lines == built[1].held_out_lines  # deterministic
-    held_questions = {json.loads(path.read_text().splitlines()[n - 1])["messages"][0]["content"] for n in first.held_out_lines}
+    held_questions = {
+        json.loads(path.read_text().splitlines()[n - 1])["messages"][0]["content"]
+        for n in first.held_out_lines
+    }
     calibrated = tokenizer.decode([t for s in first.sequences for t in s.tolist()])
     assert not any(q in calibrated for q in held_questions)
 

@@ -38,7 +38,9 @@ def reference_merge(base: Path, adapter: Path, name: str) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("rslora", [False, True])
-def test_it_merges_in_fp32_and_matches_an_independent_float64_merge(llama_base: Path, tmp_path: Path, rslora: bool) -> None:
+def test_it_merges_in_fp32_and_matches_an_independent_float64_merge(
+    llama_base: Path, tmp_path: Path, rslora: bool
+) -> None:
     adapter = save_adapter(llama_base, tmp_path / "adapter", targets=TARGETS, use_rslora=rslora)
     state, changed = merged_state(llama_base, adapter)
     assert len(changed) == 2 * 3  # two layers, three targets
@@ -60,7 +62,9 @@ def test_it_agrees_with_peft_merge_and_unload(llama_base: Path, tmp_path: Path) 
     model = AutoModelForCausalLM.from_pretrained(llama_base, dtype=torch.float32)
     peft_merged = PeftModel.from_pretrained(model, adapter).merge_and_unload().state_dict()
     for name in changed:
-        assert torch.allclose(state[name].float(), peft_merged[name].to(torch.bfloat16).float(), atol=1e-2, rtol=0)
+        assert torch.allclose(
+            state[name].float(), peft_merged[name].to(torch.bfloat16).float(), atol=1e-2, rtol=0
+        )
         assert float((state[name].float() - peft_merged[name]).abs().max()) < 4e-3
 
 
@@ -88,7 +92,9 @@ def test_it_refuses_an_adapter_without_weights(llama_base: Path, tmp_path: Path)
         merge.load_adapter(adapter)
 
 
-def test_it_refuses_an_adapter_trained_on_another_architecture(llama_base: Path, tmp_path: Path, tokenizer_dir: Path) -> None:
+def test_it_refuses_an_adapter_trained_on_another_architecture(
+    llama_base: Path, tmp_path: Path, tokenizer_dir: Path
+) -> None:
     deepseek = save_tiny_base(tmp_path / "deepseek", "deepseek_v3", tokenizer_dir)
     adapter = save_adapter(deepseek, tmp_path / "adapter", targets=["q_a_proj", "kv_a_proj_with_mqa"])
     with pytest.raises(UserError, match="targets modules the base model does not have: .*q_a_proj"):
@@ -139,7 +145,9 @@ def test_it_honours_alpha_pattern_per_module(llama_base: Path, tmp_path: Path) -
     config = json.loads((adapter / "adapter_config.json").read_text())
     config["alpha_pattern"] = {"v_proj": 32}
     (adapter / "adapter_config.json").write_text(json.dumps(config))
-    plan, _ = merge.plan(merge.load_adapter(adapter), {k: tuple(v.shape) for k, v in TensorSource(llama_base).items()})
+    plan, _ = merge.plan(
+        merge.load_adapter(adapter), {k: tuple(v.shape) for k, v in TensorSource(llama_base).items()}
+    )
     scaling = {u.target.split(".")[-2]: u.scaling for u in plan}
     assert scaling == {"q_proj": 8 / 4, "v_proj": 32 / 4, "down_proj": 8 / 4}
 

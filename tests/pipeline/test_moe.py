@@ -16,8 +16,12 @@ from .helpers import run_tiny
 from .test_run import tensors
 
 
-@pytest.mark.parametrize(("arch", "quantization"), [("glm4_moe", "nvfp4"), ("deepseek_v3", "nvfp4"), ("glm4_moe", "mxfp4")])
-def test_moe_models_export_every_expert_with_its_scales(make_base, calibration_file: Path, tmp_path: Path, arch: str, quantization: str) -> None:
+@pytest.mark.parametrize(
+    ("arch", "quantization"), [("glm4_moe", "nvfp4"), ("deepseek_v3", "nvfp4"), ("glm4_moe", "mxfp4")]
+)
+def test_moe_models_export_every_expert_with_its_scales(
+    make_base, calibration_file: Path, tmp_path: Path, arch: str, quantization: str
+) -> None:
     base = make_base(arch)
     out = tmp_path / "out"
     result = run_tiny(base, out, quantization, calibration_file=calibration_file)
@@ -35,7 +39,10 @@ def test_moe_models_export_every_expert_with_its_scales(make_base, calibration_f
             if quantization == "nvfp4":
                 assert float(t[f"{prefix}.input_scale"]) > 0
         if quantization == "nvfp4":
-            gate, up = (float(t[f"model.layers.1.mlp.experts.{e}.{p}.weight_scale_2"]) for p in ("gate_proj", "up_proj"))
+            gate, up = (
+                float(t[f"model.layers.1.mlp.experts.{e}.{p}.weight_scale_2"])
+                for p in ("gate_proj", "up_proj")
+            )
             assert gate == up  # vLLM uses the gate's global scale for both
     assert t["model.layers.1.mlp.gate.weight"].dtype == torch.bfloat16
     assert not any(k.startswith("model.layers.1.mlp.gate.") and "scale" in k for k in t)
@@ -52,6 +59,8 @@ def test_it_refuses_to_export_an_expert_that_received_no_tokens(make_base, tmp_p
     bias[3] = -1e4  # the router can never pick expert 3
     weights["model.layers.1.mlp.gate.e_score_correction_bias"] = bias
     save_file(weights, str(base / "model.safetensors"), metadata={"format": "pt"})
-    with pytest.raises(PipelineError, match=r"1 MoE experts received no calibration tokens \(model.layers.1.mlp.experts.3\)"):
+    with pytest.raises(
+        PipelineError, match=r"1 MoE experts received no calibration tokens \(model.layers.1.mlp.experts.3\)"
+    ):
         run_tiny(base, tmp_path / "out")
     assert not (tmp_path / "out").exists()

@@ -30,8 +30,12 @@ def tensors(directory: Path) -> dict[str, torch.Tensor]:
 
 
 @pytest.mark.parametrize("quantization", list(FORMATS))
-def test_it_prepares_a_checkpoint_engines_load_as_is(llama_base: Path, calibration_file: Path, tmp_path: Path, quantization: str) -> None:
-    adapter = save_adapter(llama_base, tmp_path / "adapter", targets=["q_proj", "k_proj", "v_proj", "o_proj"], b_scale=0.05)
+def test_it_prepares_a_checkpoint_engines_load_as_is(
+    llama_base: Path, calibration_file: Path, tmp_path: Path, quantization: str
+) -> None:
+    adapter = save_adapter(
+        llama_base, tmp_path / "adapter", targets=["q_proj", "k_proj", "v_proj", "o_proj"], b_scale=0.05
+    )
     out = tmp_path / "out"
     result = run_tiny(llama_base, out, quantization, adapter_dir=adapter, calibration_file=calibration_file)
 
@@ -49,7 +53,9 @@ def test_it_prepares_a_checkpoint_engines_load_as_is(llama_base: Path, calibrati
         assert t[f"{q}.weight"].dtype == torch.uint8 and t[f"{q}.weight"].shape == (64, 32)
         assert t[f"{q}.weight_scale"].dtype == torch.float8_e4m3fn and t[f"{q}.weight_scale"].shape == (64, 4)
         assert t[f"{q}.input_scale"].shape == () and t[f"{q}.weight_scale_2"].shape == ()
-        shared = {float(t[f"model.layers.0.self_attn.{p}.weight_scale_2"]) for p in ("q_proj", "k_proj", "v_proj")}
+        shared = {
+            float(t[f"model.layers.0.self_attn.{p}.weight_scale_2"]) for p in ("q_proj", "k_proj", "v_proj")
+        }
         assert len(shared) == 1
     elif quantization == "mxfp4":
         assert t[f"{q}.weight_packed"].dtype == torch.uint8 and t[f"{q}.weight_packed"].shape == (64, 32)
@@ -126,11 +132,18 @@ def test_an_unknown_format_is_a_user_error(llama_base: Path, tmp_path: Path) -> 
         run_tiny(llama_base, tmp_path / "out", "int3")
 
 
-def test_a_checkpoint_that_misses_its_thresholds_is_an_error_not_a_result(llama_base: Path, tmp_path: Path) -> None:
+def test_a_checkpoint_that_misses_its_thresholds_is_an_error_not_a_result(
+    llama_base: Path, tmp_path: Path
+) -> None:
     from fp4prep.pipeline import Thresholds
 
-    impossible = Thresholds(top1_agreement=1.01, mean_kl=0.0, identical_greedy=1.01,
-                            adapter_retention=0.5, reload_max_logit_diff=1e-3)
+    impossible = Thresholds(
+        top1_agreement=1.01,
+        mean_kl=0.0,
+        identical_greedy=1.01,
+        adapter_retention=0.5,
+        reload_max_logit_diff=1e-3,
+    )
     with pytest.raises(PipelineError, match="missed its quality thresholds: top-1 agreement"):
         run_tiny(llama_base, tmp_path / "out", thresholds=impossible)
     assert not (tmp_path / "out").exists()

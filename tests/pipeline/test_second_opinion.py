@@ -30,8 +30,12 @@ def compressed_tensors_model(directory: Path) -> torch.nn.Module:
     )
 
 
-@pytest.mark.parametrize(("arch", "quantization"), [("llama", "nvfp4"), ("llama", "mxfp4"), ("glm4_moe", "mxfp4")])
-def test_compressed_tensors_reads_our_checkpoint_as_our_reader_does(make_base, tmp_path: Path, arch: str, quantization: str) -> None:
+@pytest.mark.parametrize(
+    ("arch", "quantization"), [("llama", "nvfp4"), ("llama", "mxfp4"), ("glm4_moe", "mxfp4")]
+)
+def test_compressed_tensors_reads_our_checkpoint_as_our_reader_does(
+    make_base, tmp_path: Path, arch: str, quantization: str
+) -> None:
     out = tmp_path / "out"
     run_tiny(make_base(arch), out, quantization)
     target = out
@@ -51,7 +55,9 @@ def test_compressed_tensors_reads_our_checkpoint_as_our_reader_does(make_base, t
     assert float(diff) <= 0.05
 
 
-def test_the_conversion_to_compressed_tensors_copies_bytes_and_inverts_globals(llama_base: Path, tmp_path: Path) -> None:
+def test_the_conversion_to_compressed_tensors_copies_bytes_and_inverts_globals(
+    llama_base: Path, tmp_path: Path
+) -> None:
     from .test_run import tensors
 
     out = tmp_path / "out"
@@ -63,7 +69,9 @@ def test_the_conversion_to_compressed_tensors_copies_bytes_and_inverts_globals(l
     assert len(modules) == 14
     for m in modules:
         assert torch.equal(ours[f"{m}.weight"], theirs[f"{m}.weight_packed"])
-        assert torch.equal(ours[f"{m}.weight_scale"].view(torch.uint8), theirs[f"{m}.weight_scale"].view(torch.uint8))
+        assert torch.equal(
+            ours[f"{m}.weight_scale"].view(torch.uint8), theirs[f"{m}.weight_scale"].view(torch.uint8)
+        )
         for mine, ct in (("weight_scale_2", "weight_global_scale"), ("input_scale", "input_global_scale")):
             assert theirs[f"{m}.{ct}"].shape == (1,)
             assert abs(float(ours[f"{m}.{mine}"]) * float(theirs[f"{m}.{ct}"]) - 1.0) < 1e-6

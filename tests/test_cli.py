@@ -1,0 +1,117 @@
+"""The ``fp4prep`` command in a real subprocess: exit codes, summary, errors a user can act on."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from .pipeline.conftest import save_adapter, save_tiny_base, write_conversations
+
+
+def fp4prep(
+    *args: str, env: dict[str, str] | None = None, timeout: int = 900
+) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "fp4prep.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env={**os.environ, **(env or {})},
+    )
+
+
+@pytest.fixture
+def tiny(tmp_path: Path, tokenizer_dir: Path) -> dict[str, Path]:
+    base = save_tiny_base(tmp_path / "base", "llama", tokenizer_dir)
+    return {
+        "base": base,
+        "adapter": save_adapter(base, tmp_path / "adapter", targets=["q_proj", "v_proj"]),
+        "calibration": write_conversations(tmp_path / "calibration.jsonl", 120),
+        "out": tmp_path / "out",
+    }
+
+
+def test_a_bad_adapter_exits_2_with_a_one_line_error(tiny: dict[str, Path]) -> None:
+    (tiny["adapter"] / "adapter_config.json").unlink()
+    done = fp4prep(
+        "quantize",
+        "--model-id",
+        str(tiny["base"]),
+        "--adapter-directory",
+        str(tiny["adapter"]),
+        "--quantization",
+        "nvfp4",
+        "--output-directory",
+        str(tiny["out"]),
+        "--quiet",
+    )
+    assert done.returncode == 2
+    assert done.stderr.strip().splitlines()[-1] == (
+        f"error: {tiny['adapter']} is not a PEFT adapter: adapter_config.json is missing"
+    )
+    assert not tiny["out"].exists()
+
+
+def test_too_little_calibration_data_exits_2_and_says_how_much_is_needed(
+    tiny: dict[str, Path], tmp_path: Path
+) -> None:
+    small = write_conversations(tmp_path / "small.jsonl", 6)
+    done = fp4prep(
+        "quantize",
+        "--model-id",
+        str(tiny["base"]),
+        "--quantization",
+        "mxfp4",
+        "--output-directory",
+        str(tiny["out"]),
+        "-c",
+        str(small),
+        "--user-token-minimum",
+        "4096",
+        "--calibration-tokens",
+        "8192",
+        "--quiet",
+    )
+    assert done.returncode == 2
+    assert "at least 4,096 are needed" in done.stderr
+
+
+def test_a_checkpoint_below_the_recipes_bar_exits_1_and_writes_nothing(tiny: dict[str, Path]) -> None:
+    # A random tiny model's greedy continuations diverge under FP4: the recipe's bar refuses it.
+    done = fp4prep(
+        "quantize",
+        "--model-id",
+        str(tiny["base"]),
+        "--adapter-directory",
+        str(tiny["adapter"]),
+        "--quantization",
+        "nvfp4",
+        "--output-directory",
+        str(tiny["out"]),
+        "-c",
+        str(tiny["calibration"]),
+        "--calibration-tokens",
+        "2048",
+    )
+    assert done.returncode == 1, done.stderr
+    assert "error: the checkpoint missed its quality thresholds" in done.stderr
+    for stage in ("merging", "calibrating", "quantizing", "exporting", "validating"):
+        assert stage in done.stderr  # one progress bar per stage
+    assert not tiny["out"].exists()
+
+
+def test_help_names_the_seed_flags() -> None:
+    done = fp4prep("quantize", "--help")
+    assert done.returncode == 0
+    for flag in (
+        "--model-id",
+        "--adapter-directory",
+        "--quantization",
+        "--output-directory",
+        "--calibration-file",
+    ):
+        assert flag in done.stdout
