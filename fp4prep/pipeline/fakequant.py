@@ -20,32 +20,21 @@ BACKEND_NAME = "fp4prep_cpu"
 
 E2M1_MAX = 6.0
 E4M3_MAX = 448.0
-# E2M1 magnitudes by code; the sign is bit 3.
-E2M1_VALUES = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
-_E2M1_BOUNDS = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0])
-# Midpoints whose tie goes up under round-half-to-even (0.75 -> 1.0, 1.75 -> 2.0, 3.5 -> 4.0).
-_ODD_BOUNDS = (0.75, 1.75, 3.5)
-
-
-def e2m1_codes(x: torch.Tensor, ties_to_even: bool = True) -> torch.Tensor:
-    """Magnitude codes 0..7 of ``|x|`` on the E2M1 grid (saturating at 6).
-
-    ``ties_to_even`` matches ``NVFP4QTensor._cast_fp4``; without it, ties round down as
-    ``MXFP4QTensor.quantize`` does.
-    """
-    mag = x.abs()
-    bounds = _E2M1_BOUNDS.to(mag.device, mag.dtype)
-    codes = torch.bucketize(mag, bounds, right=False)
-    if ties_to_even:
-        for b in _ODD_BOUNDS:
-            codes = codes + (mag == b).to(codes.dtype)
-    return codes
 
 
 def e2m1_round(x: torch.Tensor, ties_to_even: bool = True) -> torch.Tensor:
-    """``x`` rounded to the nearest E2M1 value, sign kept."""
-    values = E2M1_VALUES.to(x.device, torch.float32)
-    return values[e2m1_codes(x, ties_to_even)] * torch.sign(x)
+    """``x`` rounded to the nearest E2M1 value (saturating at 6), sign kept.
+
+    Arithmetic instead of a table search: the grid's step is 0.5 below 2, 1 below 4, 2 up to 6,
+    and dividing by a power of two is exact, so rounding ``|x| / step`` to an integer gives the
+    same codes as ModelOpt's search. ``torch.round`` rounds half to even, as ``NVFP4QTensor``
+    does; ``ceil(v - 0.5)`` rounds ties down, as ``MXFP4QTensor`` does.
+    """
+    mag = x.float().abs().clamp(max=E2M1_MAX)
+    step = torch.where(mag < 2, 0.5, torch.where(mag < 4, 1.0, 2.0))
+    units = mag / step
+    units = torch.round(units) if ties_to_even else torch.ceil(units - 0.5)
+    return torch.copysign(units * step, x.float())
 
 
 def _blocks(x: torch.Tensor, block_size: int) -> torch.Tensor:
@@ -107,8 +96,31 @@ def per_token_fp8_fake_quant(x: torch.Tensor) -> torch.Tensor:
     return fp8_fake_quant(x, x.detach().abs().amax(dim=-1, keepdim=True))
 
 
+def _cache_key(inputs: torch.Tensor, quantizer: TensorQuantizer) -> tuple[int, ...] | None:
+    if not isinstance(inputs, torch.nn.Parameter):
+        return None
+    amax = getattr(quantizer, "_amax", None)
+    amax_key = (amax.data_ptr(), amax._version) if isinstance(amax, torch.Tensor) else (0, 0)
+    return (inputs.data_ptr(), inputs._version, *amax_key)
+
+
 def fake_quant(inputs: torch.Tensor, quantizer: TensorQuantizer) -> torch.Tensor:
-    """The backend entry point ModelOpt calls from ``TensorQuantizer._fake_quantize``."""
+    """The backend entry point ModelOpt calls from ``TensorQuantizer._fake_quantize``.
+
+    Weights are quantized once and reused until the weight or its amax changes (both tracked by
+    tensor version): on the CPU, re-quantizing every weight at every forward dominates generation.
+    """
+    key = _cache_key(inputs, quantizer)
+    cached = getattr(quantizer, "_fp4prep_cache", None)
+    if key is not None and cached is not None and cached[0] == key:
+        return cached[1]
+    out = _fake_quant(inputs, quantizer)
+    if key is not None:
+        quantizer._fp4prep_cache = (key, out.detach())
+    return out
+
+
+def _fake_quant(inputs: torch.Tensor, quantizer: TensorQuantizer) -> torch.Tensor:
     block_sizes = quantizer.block_sizes or {}
     if not handles(quantizer.num_bits):
         raise NotImplementedError(

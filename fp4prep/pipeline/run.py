@@ -21,7 +21,7 @@ from . import corpus as corpus_mod
 from . import export as export_mod
 from . import merge as merge_mod
 from . import quantize, reader, validate
-from .checkpoint import TensorSource, build_model, directory_bytes, load_model, read_config
+from .checkpoint import TensorSource, build_model, directory_bytes, read_config
 from .config import PipelineConfig, PipelineResult, TaskReport
 from .errors import Cancelled, PipelineError, UserError
 from .progress import Progress
@@ -64,22 +64,16 @@ def _check_output_dir(path: Path) -> None:
 def _run(
     config: PipelineConfig, recipe: Any, thresholds: Any, progress: Progress, work: Path
 ) -> PipelineResult:
-    from transformers import AutoTokenizer
-
     out = work / "out"
-    merged_dir = work / "merged"
     with progress.stage("merging"):
         base_config = read_config(config.base_dir)
         source = TensorSource(config.base_dir)
-        state = dict(source.items())
-        progress.update(0.4)
         adapter = merge_mod.load_adapter(config.adapter_dir) if config.adapter_dir else None
-        targets = merge_mod.merge(state, adapter) if adapter else []
+        state, targets = _merged(source, adapter)
         progress.update(0.7)
         model = build_model(base_config, state)
         del state
-        tokenizer = AutoTokenizer.from_pretrained(config.base_dir)
-        model.save_pretrained(merged_dir)
+        tokenizer = _tokenizer(config.base_dir)
         bf16_bytes = sum(p.numel() * p.element_size() for p in model.state_dict().values())
 
     with progress.stage("calibrating"):
@@ -101,7 +95,7 @@ def _run(
     with progress.stage("quantizing"):
         quantize.share_fused_scales(model)
         quantize.use_reference_numerics(model)
-        reload_examples = corpus.parity[:2]
+        reload_examples = corpus.parity[:1]
         reference = [validate.logits(model, e.input_ids[:RELOAD_CHECK_TOKENS]) for e in reload_examples]
 
     with progress.stage("exporting"):
@@ -114,13 +108,13 @@ def _run(
         candidate = reader.load(out)
         reload_diff = validate.reload_difference(reference, candidate, reload_examples)
         progress.update(0.1)
-        kept = None
-        if targets:
-            merged_tensors = dict(TensorSource(merged_dir).items())
-            kept = validate.retention(source, merged_tensors, candidate.state_dict(), targets)
-            del merged_tensors
+        # The BF16 merged model again, recomputed rather than kept on disk: merging is cheap and
+        # deterministic, and a full BF16 copy of a large base is not.
+        state, _ = _merged(source, adapter)
+        kept = validate.retention(source, state, candidate.state_dict(), targets) if targets else None
         progress.update(0.2)
-        bf16_model = load_model(merged_dir)
+        bf16_model = build_model(base_config, state)
+        del state
         parity = validate.token_parity(
             bf16_model, candidate, corpus.parity, config.continuation_tokens, progress.sub(0.2, 1.0)
         )
@@ -149,6 +143,25 @@ def _run(
         export_mod.write_model_card(out, _lineage(config, recipe, result))
     result.stage_seconds = dict(progress.stage_seconds)
     return result
+
+
+def _merged(source: TensorSource, adapter: merge_mod.Adapter | None) -> tuple[dict[str, torch.Tensor], list[str]]:
+    """The base's tensors in BF16 with the adapter merged in, and the names it changed."""
+    state = dict(source.items())
+    targets = merge_mod.merge(state, adapter) if adapter else []
+    return state, targets
+
+
+def _tokenizer(base_dir: Path) -> Any:
+    from transformers import AutoTokenizer
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(base_dir)
+    except (OSError, ValueError) as exc:
+        raise UserError(f"{base_dir} has no usable tokenizer ({exc})") from None
+    if not tokenizer.chat_template:
+        raise UserError(f"{base_dir} has no chat template: conversations can't be rendered")
+    return tokenizer
 
 
 def _adapter_eval_file(adapter_dir: Path | None) -> Path | None:

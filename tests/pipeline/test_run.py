@@ -99,7 +99,7 @@ def test_progress_goes_through_every_stage_in_order(llama_base: Path, tmp_path: 
         assert fractions[0] == 0.0 and fractions[-1] == 1.0
         assert fractions == sorted(fractions)
     calibration_updates = [f for s, f in seen if s == "calibrating"]
-    assert len(calibration_updates) > 10  # reported inside the loop, not only at its ends
+    assert len(calibration_updates) > 4  # reported inside the loop, not only at its ends
 
 
 @pytest.mark.parametrize("stage", ["merging", "calibrating", "validating"])
