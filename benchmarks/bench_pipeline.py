@@ -174,14 +174,18 @@ def backend_speed() -> str:
 
     x = torch.randn(4096, 4096, dtype=torch.bfloat16)
     lines = []
-    for name, fn in (("nvfp4", lambda: fakequant.nvfp4_fake_quant(x, 16, x.abs().amax())),
-                     ("mxfp4", lambda: fakequant.mxfp4_fake_quant(x, 32))):
+    for name, fn in (
+        ("nvfp4", lambda: fakequant.nvfp4_fake_quant(x, 16, x.abs().amax())),
+        ("mxfp4", lambda: fakequant.mxfp4_fake_quant(x, 32)),
+    ):
         fn()
         started = time.perf_counter()
         for _ in range(3):
             fn()
         ms = (time.perf_counter() - started) / 3 * 1000
-        lines.append(f"  {name} fake-quant of a 4096x4096 BF16 tensor: {ms:.0f} ms ({x.numel() / ms / 1e3:.0f} M values/s)")
+        lines.append(
+            f"  {name} fake-quant of a 4096x4096 BF16 tensor: {ms:.0f} ms ({x.numel() / ms / 1e3:.0f} M values/s)"
+        )
     return "\n".join(lines)
 
 

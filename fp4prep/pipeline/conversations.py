@@ -90,11 +90,15 @@ def _check_message(message: Any, i: int) -> str | None:
             return problem
     if content is None and calls is None:
         return f"{where}.content is missing"
-    if content is not None and not isinstance(content, str) and not (
-        isinstance(content, list)
-        and all(
-            isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
-            for p in content
+    if (
+        content is not None
+        and not isinstance(content, str)
+        and not (
+            isinstance(content, list)
+            and all(
+                isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
+                for p in content
+            )
         )
     ):
         return f"{where}.content must be a string or a list of text parts"

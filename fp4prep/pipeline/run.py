@@ -145,7 +145,9 @@ def _run(
     return result
 
 
-def _merged(source: TensorSource, adapter: merge_mod.Adapter | None) -> tuple[dict[str, torch.Tensor], list[str]]:
+def _merged(
+    source: TensorSource, adapter: merge_mod.Adapter | None
+) -> tuple[dict[str, torch.Tensor], list[str]]:
     """The base's tensors in BF16 with the adapter merged in, and the names it changed."""
     state = dict(source.items())
     targets = merge_mod.merge(state, adapter) if adapter else []

@@ -54,17 +54,14 @@ def structure(directory: Path, recipe: Recipe, bf16_bytes: int) -> list[str]:
                 )
         elif packed.dtype != torch.float8_e4m3fn:
             raise PipelineError(f"{module}: FP8 weights stored as {packed.dtype}")
-        scale_f = scale.float() if scale.dtype != torch.uint8 else scale.float() - 127
         if recipe.name == "mxfp4":
             if torch.any(scale == 255):
                 raise PipelineError(f"{module}: an E8M0 scale is NaN (255)")
-        elif not torch.isfinite(scale_f).all() or torch.any(scale_f == 0):
-            raise PipelineError(f"{module}: block scales must be finite and non-zero")
-        if recipe.name == "nvfp4":
+        elif not torch.isfinite(scale.float()).all() or torch.any(scale.float() == 0):
+            raise PipelineError(f"{module}: scales must be finite and non-zero")
+        if recipe.name == "nvfp4":  # always ModelOpt's layout
             for leaf in ("weight_scale_2", "input_scale"):
-                key = f"{module}.{leaf}" if layout.packed_name == "weight" else None
-                if key is None:
-                    continue
+                key = f"{module}.{leaf}"
                 if key not in names:
                     raise PipelineError(f"{module}: {leaf} is missing")
                 value = float(source.raw(key).float().reshape(-1)[0])
@@ -77,6 +74,13 @@ def structure(directory: Path, recipe: Recipe, bf16_bytes: int) -> list[str]:
     for module in quantized:
         if any(re.fullmatch(p, module) for p in excluded):
             raise PipelineError(f"{module} is quantized but listed as excluded")
+    quantized_set = set(quantized)
+    for name in names:
+        module = name.removesuffix(".weight")
+        if name.endswith(".weight") and module not in quantized_set and len(source.shape(name)) == 2:
+            if not any(re.fullmatch(p, module) for p in excluded):
+                raise PipelineError(f"{module} is left in BF16 but not listed as excluded")
+    checks.append(f"every other 2-D weight is listed as excluded ({len(excluded)} patterns)")
     written = directory_bytes(directory)
     expected = _expected_bytes(source, quantized, recipe, layout.packed_name)
     if not 0.9 * expected <= written <= 1.1 * expected + (4 << 20):

@@ -14,7 +14,11 @@ TINY = Thresholds(
 
 def run_tiny(base: Path, out: Path, quantization: str = "nvfp4", **kwargs: Any) -> PipelineResult:
     options: dict[str, Any] = {
-        "calibration_tokens": 2048, "sequence_length": 128, "parity_prompts": 3, "continuation_tokens": 6, "thresholds": TINY
+        "calibration_tokens": 2048,
+        "sequence_length": 128,
+        "parity_prompts": 3,
+        "continuation_tokens": 6,
+        "thresholds": TINY,
     }
     options.update(kwargs)
     return run(PipelineConfig(base_dir=base, output_dir=out, quantization=quantization, **options))
