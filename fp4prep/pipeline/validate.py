@@ -77,9 +77,11 @@ def structure(directory: Path, recipe: Recipe, bf16_bytes: int) -> list[str]:
     quantized_set = set(quantized)
     for name in names:
         module = name.removesuffix(".weight")
-        if name.endswith(".weight") and module not in quantized_set and len(source.shape(name)) == 2:
-            if not any(re.fullmatch(p, module) for p in excluded):
-                raise PipelineError(f"{module} is left in BF16 but not listed as excluded")
+        unquantized_matrix = (
+            name.endswith(".weight") and module not in quantized_set and len(source.shape(name)) == 2
+        )
+        if unquantized_matrix and not any(re.fullmatch(p, module) for p in excluded):
+            raise PipelineError(f"{module} is left in BF16 but not listed as excluded")
     checks.append(f"every other 2-D weight is listed as excluded ({len(excluded)} patterns)")
     written = directory_bytes(directory)
     expected = _expected_bytes(source, quantized, recipe, layout.packed_name)
