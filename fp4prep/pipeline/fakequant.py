@@ -96,31 +96,8 @@ def per_token_fp8_fake_quant(x: torch.Tensor) -> torch.Tensor:
     return fp8_fake_quant(x, x.detach().abs().amax(dim=-1, keepdim=True))
 
 
-def _cache_key(inputs: torch.Tensor, quantizer: TensorQuantizer) -> tuple[int, ...] | None:
-    if not isinstance(inputs, torch.nn.Parameter):
-        return None
-    amax = getattr(quantizer, "_amax", None)
-    amax_key = (amax.data_ptr(), amax._version) if isinstance(amax, torch.Tensor) else (0, 0)
-    return (inputs.data_ptr(), inputs._version, *amax_key)
-
-
 def fake_quant(inputs: torch.Tensor, quantizer: TensorQuantizer) -> torch.Tensor:
-    """The backend entry point ModelOpt calls from ``TensorQuantizer._fake_quantize``.
-
-    Weights are quantized once and reused until the weight or its amax changes (both tracked by
-    tensor version): on the CPU, re-quantizing every weight at every forward dominates generation.
-    """
-    key = _cache_key(inputs, quantizer)
-    cached = getattr(quantizer, "_fp4prep_cache", None)
-    if key is not None and cached is not None and cached[0] == key:
-        return cached[1]
-    out = _fake_quant(inputs, quantizer)
-    if key is not None:
-        quantizer._fp4prep_cache = (key, out.detach())
-    return out
-
-
-def _fake_quant(inputs: torch.Tensor, quantizer: TensorQuantizer) -> torch.Tensor:
+    """The backend entry point ModelOpt calls from ``TensorQuantizer._fake_quantize``."""
     block_sizes = quantizer.block_sizes or {}
     if not handles(quantizer.num_bits):
         raise NotImplementedError(

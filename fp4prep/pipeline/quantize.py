@@ -113,9 +113,10 @@ def calibrate(
     try:
         with contextlib.redirect_stdout(chatter):
             mtq.quantize(model, recipe.quant_config(use_cpu_backend=cpu), forward_loop)
-        if not passes:
+        if not passes and counter.counts:
             # A fully dynamic recipe (MXFP4) has no statistics to collect, so ModelOpt skips the
-            # loop; the corpus still goes through once so that expert coverage is known.
+            # loop; for an MoE model the corpus still goes through once so that expert coverage
+            # is known.
             forward_loop(model)
     finally:
         counter.remove()
