@@ -115,14 +115,15 @@ def _run(
         progress.update(0.2)
         bf16_model = build_model(base_config, state)
         del state
-        parity = validate.token_parity(
-            bf16_model, candidate, corpus.parity, config.continuation_tokens, progress.sub(0.2, 1.0)
-        )
         task = None
         eval_file = config.eval_file or _adapter_eval_file(config.adapter_dir)
+        parity_end = 0.6 if eval_file is not None else 1.0
+        parity = validate.token_parity(
+            bf16_model, candidate, corpus.parity, config.continuation_tokens, progress.sub(0.2, parity_end)
+        )
         if eval_file is not None:
-            bf16_score, n = validate.task_success(bf16_model, tokenizer, eval_file)
-            quant_score, _ = validate.task_success(candidate, tokenizer, eval_file)
+            bf16_score, n = validate.task_success(bf16_model, tokenizer, eval_file, progress.sub(0.6, 0.8))
+            quant_score, _ = validate.task_success(candidate, tokenizer, eval_file, progress.sub(0.8, 1.0))
             task = TaskReport(prompts=n, bf16_success=bf16_score, quantized_success=quant_score)
         del bf16_model, candidate
         checks += validate.enforce(thresholds, parity, reload_diff, kept)

@@ -261,7 +261,11 @@ def enforce(
 
 
 def task_success(
-    model: torch.nn.Module, tokenizer: Any, eval_file: Path, limit: int = 50
+    model: torch.nn.Module,
+    tokenizer: Any,
+    eval_file: Path,
+    report: Callable[[float], None] = lambda f: None,
+    limit: int = 50,
 ) -> tuple[float, int]:
     """Share of an adapter's evaluation prompts answered exactly as expected (greedy).
 
@@ -272,10 +276,11 @@ def task_success(
 
     rows = [json.loads(line) for line in eval_file.read_text().splitlines() if line.strip()][:limit]
     hits = 0
-    for row in rows:
+    for i, row in enumerate(rows):
         prompt = tokenizer.apply_chat_template(row["messages"], tokenize=False, add_generation_prompt=True)
         ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
         expected_ids = tokenizer(row["expected"], add_special_tokens=False)["input_ids"]
         answer = tokenizer.decode(greedy(model, ids, len(expected_ids) + 2), skip_special_tokens=True)
         hits += int(answer.strip() == row["expected"].strip())
+        report((i + 1) / len(rows))
     return (hits / len(rows) if rows else 0.0), len(rows)
