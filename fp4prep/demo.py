@@ -210,7 +210,7 @@ def train_adapter(base_dir: Path, target: Path, steps: int = 48, batch_size: int
         task_type="CAUSAL_LM",
         target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
     )
-    model = get_peft_model(model, lora)
+    model = get_peft_model(model, lora)  # type: ignore[assignment]
     train, _, _ = split()
     examples = []
     for review, label in train:

@@ -162,7 +162,8 @@ def _is_tied(model: torch.nn.Module, key: str) -> bool:
 def _causal_lm_class(hf_config: Any) -> str:
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM._model_mapping[type(hf_config)].__name__
+    model_class: Any = AutoModelForCausalLM._model_mapping[type(hf_config)]
+    return str(model_class.__name__)
 
 
 def load_model(directory: Path) -> torch.nn.Module:

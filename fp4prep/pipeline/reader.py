@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -54,7 +55,7 @@ def detect_layout(config: dict[str, Any]) -> Layout:
         if fmt == "nvfp4-pack-quantized":
             return Layout("nvfp4", "weight_packed", True, False)
         if fmt == "mxfp4-pack-quantized":
-            group = next(iter((qc.get("config_groups") or {}).values()), {})
+            group: dict[str, Any] = next(iter((qc.get("config_groups") or {}).values()), {})
             return Layout("mxfp4", "weight_packed", True, bool(group.get("input_activations")))
         raise PipelineError(f"the reader does not know compressed-tensors' {fmt}")
     raise PipelineError(f"the reader does not know quant_method {method!r}")
@@ -115,16 +116,16 @@ def read_tensors(
             if f"{module}.{i_name}" in names:
                 s = _scalar(source.raw(f"{module}.{i_name}"))
                 amax = torch.tensor(NVFP4_GLOBAL / s if layout.reciprocal_globals else NVFP4_GLOBAL * s)
-                activations[module] = lambda x, a=amax: fakequant.nvfp4_fake_quant(x, 16, a)
+                activations[module] = partial(fakequant.nvfp4_fake_quant, block_size=16, global_amax=amax)
         elif layout.scheme == "mxfp4":
             weight = dequantize_mxfp4(packed, scale)
             if layout.dynamic_inputs:
-                activations[module] = lambda x: fakequant.mxfp4_fake_quant(x, 32)
+                activations[module] = partial(fakequant.mxfp4_fake_quant, block_size=32)
         else:
             weight = packed.float() * scale.float().reshape(-1, *([1] * (packed.dim() - 1)))
             if f"{module}.input_scale" in names and not layout.dynamic_inputs:
                 amax = source.raw(f"{module}.input_scale").float() * fakequant.E4M3_MAX
-                activations[module] = lambda x, a=amax: fakequant.fp8_fake_quant(x, a)
+                activations[module] = partial(fakequant.fp8_fake_quant, amax=amax)
             if layout.dynamic_inputs:
                 activations[module] = fakequant.per_token_fp8_fake_quant
         dense[f"{module}.weight"] = weight.to(torch.bfloat16)
@@ -136,7 +137,7 @@ def _identity(x: torch.Tensor) -> torch.Tensor:
 
 
 def _quantized_experts_forward(
-    experts: torch.nn.Module, gate_up_quant: list[ActivationQuant], down_quant: list[ActivationQuant]
+    experts: Any, gate_up_quant: list[ActivationQuant], down_quant: list[ActivationQuant]
 ) -> Callable[..., torch.Tensor]:
     """transformers' fused-experts loop with each expert's input quantization, as engines run it."""
 

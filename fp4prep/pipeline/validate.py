@@ -152,7 +152,7 @@ def reload_difference(
 
 
 @torch.no_grad()
-def greedy(model: torch.nn.Module, prompt: list[int], n: int) -> list[int]:
+def greedy(model: Any, prompt: list[int], n: int) -> list[int]:
     device = next(model.parameters()).device
     out = model.generate(
         torch.tensor([prompt], device=device),
