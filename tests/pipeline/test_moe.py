@@ -17,7 +17,8 @@ from .test_run import tensors
 
 
 @pytest.mark.parametrize(
-    ("arch", "quantization"), [("glm4_moe", "nvfp4"), ("deepseek_v3", "nvfp4"), ("glm4_moe", "mxfp4")]
+    ("arch", "quantization"),
+    [("glm4_moe", "nvfp4"), ("deepseek_v3", "nvfp4"), ("glm4_moe", "mxfp4"), ("deepseek_v3", "fp8")],
 )
 def test_moe_models_export_every_expert_with_its_scales(
     make_base, calibration_file: Path, tmp_path: Path, arch: str, quantization: str
@@ -31,11 +32,12 @@ def test_moe_models_export_every_expert_with_its_scales(
     # top-2 routing: every calibration token is counted twice in the MoE layer
     assert sum(counts) == 2 * (result.corpus.user_tokens + result.corpus.general_tokens)
     t = tensors(out)
-    packed = "weight" if quantization == "nvfp4" else "weight_packed"
+    packed = "weight_packed" if quantization == "mxfp4" else "weight"
+    dtype = torch.float8_e4m3fn if quantization == "fp8" else torch.uint8
     for e in range(4):
         for proj in ("gate_proj", "up_proj", "down_proj"):
             prefix = f"model.layers.1.mlp.experts.{e}.{proj}"
-            assert t[f"{prefix}.{packed}"].dtype == torch.uint8
+            assert t[f"{prefix}.{packed}"].dtype == dtype
             if quantization == "nvfp4":
                 assert float(t[f"{prefix}.input_scale"]) > 0
         if quantization == "nvfp4":
