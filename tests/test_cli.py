@@ -24,6 +24,11 @@ def fp4prep(
     )
 
 
+def quantize(tiny: dict[str, Path], *args: str) -> subprocess.CompletedProcess[str]:
+    """``fp4prep quantize`` on the tiny base into the tiny output directory."""
+    return fp4prep("quantize", "--model-id", str(tiny["base"]), "--output-directory", str(tiny["out"]), *args)
+
+
 @pytest.fixture
 def tiny(tmp_path: Path, tokenizer_dir: Path) -> dict[str, Path]:
     base = save_tiny_base(tmp_path / "base", "llama", tokenizer_dir)
@@ -37,18 +42,7 @@ def tiny(tmp_path: Path, tokenizer_dir: Path) -> dict[str, Path]:
 
 def test_a_bad_adapter_exits_2_with_a_one_line_error(tiny: dict[str, Path]) -> None:
     (tiny["adapter"] / "adapter_config.json").unlink()
-    done = fp4prep(
-        "quantize",
-        "--model-id",
-        str(tiny["base"]),
-        "--adapter-directory",
-        str(tiny["adapter"]),
-        "--quantization",
-        "nvfp4",
-        "--output-directory",
-        str(tiny["out"]),
-        "--quiet",
-    )
+    done = quantize(tiny, "--adapter-directory", str(tiny["adapter"]), "--quantization", "nvfp4", "--quiet")
     assert done.returncode == 2
     assert done.stderr.strip().splitlines()[-1] == (
         f"error: {tiny['adapter']} is not a PEFT adapter: adapter_config.json is missing"
@@ -60,21 +54,8 @@ def test_too_little_calibration_data_exits_2_and_says_how_much_is_needed(
     tiny: dict[str, Path], tmp_path: Path
 ) -> None:
     small = write_conversations(tmp_path / "small.jsonl", 6)
-    done = fp4prep(
-        "quantize",
-        "--model-id",
-        str(tiny["base"]),
-        "--quantization",
-        "mxfp4",
-        "--output-directory",
-        str(tiny["out"]),
-        "-c",
-        str(small),
-        "--user-token-minimum",
-        "4096",
-        "--calibration-tokens",
-        "8192",
-        "--quiet",
+    done = quantize(
+        tiny, "--quantization", "mxfp4", "-c", str(small), "--user-token-minimum", "4096", "--quiet"
     )
     assert done.returncode == 2
     assert "at least 4,096 are needed" in done.stderr
@@ -82,16 +63,10 @@ def test_too_little_calibration_data_exits_2_and_says_how_much_is_needed(
 
 def test_a_checkpoint_below_the_recipes_bar_exits_1_and_writes_nothing(tiny: dict[str, Path]) -> None:
     # A random tiny model's greedy continuations diverge under FP4: the recipe's bar refuses it.
-    done = fp4prep(
-        "quantize",
-        "--model-id",
-        str(tiny["base"]),
+    done = quantize(
+        tiny,
         "--adapter-directory",
         str(tiny["adapter"]),
-        "--quantization",
-        "nvfp4",
-        "--output-directory",
-        str(tiny["out"]),
         "-c",
         str(tiny["calibration"]),
         "--calibration-tokens",
