@@ -166,11 +166,5 @@ def _causal_lm_class(hf_config: Any) -> str:
     return str(model_class.__name__)
 
 
-def load_model(directory: Path) -> torch.nn.Module:
-    """A checkpoint directory as a BF16 model (FP8 blocks dequantized)."""
-    source = TensorSource(directory)
-    return build_model(read_config(directory), dict(source.items()))
-
-
 def directory_bytes(directory: Path) -> int:
     return sum(p.stat().st_size for p in directory.rglob("*") if p.is_file())

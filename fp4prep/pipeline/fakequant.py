@@ -1,6 +1,7 @@
-"""A pure-torch fake-quant backend for ModelOpt, so NVFP4 and MXFP4 calibrate without CUDA.
+"""A pure-torch fake-quant backend for ModelOpt, so NVFP4 and MXFP4 run without CUDA.
 
-ModelOpt 0.47 fake-quantizes NVFP4/MXFP4 only with CUDA/Triton kernels. It lets a quantizer name a
+ModelOpt 0.47 fake-quantizes NVFP4/MXFP4 only with CUDA/Triton kernels. FP8 goes through it too, so
+that its rounding is the export's (divide by ``amax / 448``), not the eager path's. It lets a quantizer name a
 registered functional backend instead (``QuantizerAttributeConfig.backend``); this module provides
 one that reproduces the numerics of ModelOpt's own ``NVFP4QTensor`` / ``MXFP4QTensor``
 quantize-then-dequantize, which are what the exported checkpoint holds. So the fake-quant model we

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from .checkpoint import TensorSource, directory_bytes
+from .checkpoint import TensorSource, directory_bytes, read_config
 from .config import ParityReport, RetentionReport
 from .corpus import ParityExample
 from .errors import PipelineError
@@ -28,8 +28,6 @@ _FUSED_GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 
 def structure(directory: Path, recipe: Recipe, bf16_bytes: int) -> list[str]:
     """Checks on the files alone; raises PipelineError naming the first problem."""
-    from .checkpoint import read_config
-
     config = read_config(directory)
     layout = detect_layout(config)
     if layout.scheme != recipe.name:

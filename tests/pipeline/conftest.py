@@ -26,40 +26,32 @@ def tiny_config(arch: str):
         "bos_token_id": 1,
         "pad_token_id": 2,
     }
+    # Four routed experts, top-2, one shared; layer 0 dense, layer 1 MoE.
+    moe = {
+        "intermediate_size": 128,
+        "moe_intermediate_size": 32,
+        "n_routed_experts": 4,
+        "n_shared_experts": 1,
+        "num_experts_per_tok": 2,
+        "first_k_dense_replace": 1,
+        "n_group": 1,
+        "topk_group": 1,
+    }
     if arch == "llama":
         config = LlamaConfig(intermediate_size=128, head_dim=16, **common)
         config.architectures = ["LlamaForCausalLM"]
     elif arch == "glm4_moe":
-        config = Glm4MoeConfig(
-            intermediate_size=128,
-            moe_intermediate_size=32,
-            n_routed_experts=4,
-            n_shared_experts=1,
-            num_experts_per_tok=2,
-            first_k_dense_replace=1,
-            n_group=1,
-            topk_group=1,
-            head_dim=16,
-            partial_rotary_factor=0.5,
-            **common,
-        )
+        config = Glm4MoeConfig(head_dim=16, partial_rotary_factor=0.5, **moe, **common)
         config.architectures = ["Glm4MoeForCausalLM"]
     elif arch == "deepseek_v3":
         common["num_key_value_heads"] = common["num_attention_heads"]  # MLA: one K/V per head
         config = DeepseekV3Config(
-            intermediate_size=128,
-            moe_intermediate_size=32,
-            n_routed_experts=4,
-            n_shared_experts=1,
-            num_experts_per_tok=2,
-            first_k_dense_replace=1,
-            n_group=1,
-            topk_group=1,
             q_lora_rank=32,
             kv_lora_rank=32,
             qk_rope_head_dim=16,
             qk_nope_head_dim=16,
             v_head_dim=16,
+            **moe,
             **common,
         )
         config.architectures = ["DeepseekV3ForCausalLM"]
