@@ -187,11 +187,17 @@ def build_base(target: Path) -> None:
     state = {k: v.to(torch.bfloat16) for k, v in loaded.state_dict().items()}
     model.load_state_dict(state, strict=False)
     model.tie_weights()
-    tmp = target.with_name(target.name + ".tmp")
+    # A private temporary name: two workers building at once must not write into each other's files.
+    tmp = target.with_name(f"{target.name}.tmp-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     model.save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
-    tmp.rename(target)
+    try:
+        tmp.rename(target)
+    except OSError:  # another process finished first
+        shutil.rmtree(tmp, ignore_errors=True)
+        if not (target / "config.json").is_file():
+            raise
 
 
 def train_adapter(base_dir: Path, target: Path, steps: int = 48, batch_size: int = 8) -> None:
@@ -239,7 +245,8 @@ def train_adapter(base_dir: Path, target: Path, steps: int = 48, batch_size: int
         optimizer.zero_grad()
         if step % 8 == 0:
             logger.info("adapter step %d loss %.4f", step, loss.item())
-    tmp = target.with_name(target.name + ".tmp")
+    # A private temporary name: two workers building at once must not write into each other's files.
+    tmp = target.with_name(f"{target.name}.tmp-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     model.save_pretrained(tmp)
     model.peft_config["default"].base_model_name_or_path = BASE_ID
@@ -296,6 +303,15 @@ def write_calibration_file(path: Path) -> None:
                     "tools": TOOLS,
                 }
                 f.write(json.dumps(row) + "\n")
+
+
+def base_dir() -> Path:
+    """The demo base's BF16 checkpoint, built on first use (what a CPU worker serves SmolLM2 from)."""
+    target = demo_dir() / "base"
+    if not (target / "config.json").is_file():
+        target.parent.mkdir(parents=True, exist_ok=True)
+        build_base(target)
+    return target
 
 
 def build(force: bool = False) -> DemoAssets:

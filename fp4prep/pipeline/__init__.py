@@ -1,10 +1,35 @@
-"""The FP4 preparation pipeline. No Django here: the service calls ``run`` from its workers."""
+"""The FP4 preparation pipeline. No Django here: the service calls ``run`` from its workers.
 
-from .config import CorpusStats, ParityReport, PipelineConfig, PipelineResult, RetentionReport
-from .errors import Cancelled, PipelineError, UserError
-from .progress import STAGES
-from .recipes import RECIPES, Thresholds
-from .run import run
+Names are imported on first use (PEP 562) so that light modules (``errors``, ``conversations``)
+can be used by the web process without importing torch, transformers or ModelOpt.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from .config import CorpusStats, ParityReport, PipelineConfig, PipelineResult, RetentionReport
+    from .errors import Cancelled, PipelineError, UserError
+    from .progress import STAGES
+    from .recipes import RECIPES, Thresholds
+    from .run import run
+
+_WHERE = {
+    "CorpusStats": "config",
+    "ParityReport": "config",
+    "PipelineConfig": "config",
+    "PipelineResult": "config",
+    "RetentionReport": "config",
+    "Cancelled": "errors",
+    "PipelineError": "errors",
+    "UserError": "errors",
+    "STAGES": "progress",
+    "RECIPES": "recipes",
+    "Thresholds": "recipes",
+    "run": "run",
+}
 
 __all__ = [
     "RECIPES",
@@ -20,3 +45,9 @@ __all__ = [
     "UserError",
     "run",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _WHERE:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(f".{_WHERE[name]}", __name__), name)

@@ -1,0 +1,185 @@
+"""fp4prep's Django settings, read from the environment (README, "Running it in production").
+
+Defaults are the embedded setup: SQLite and django-q2's ORM broker under ``var/``, one CPU worker
+slot, DEBUG on. Production sets DATABASE_URL, FP4PREP_BROKER_URL, FP4PREP_SECRET_KEY,
+FP4PREP_DEBUG=0 and FP4PREP_ALLOWED_HOSTS; ``manage.py check --deploy`` is then clean.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import dj_database_url
+from django.core.exceptions import ImproperlyConfigured
+
+from .env import env_bool, env_choice, env_float, env_int, env_list, env_path, env_str
+
+BASE_DIR = Path(__file__).resolve().parent.parent
+VAR_DIR = env_path("FP4PREP_VAR_DIR", BASE_DIR / "var")
+
+DEBUG = env_bool("FP4PREP_DEBUG", True)
+DEV_SECRET_KEY = "django-insecure-fp4prep-development-key-never-use-in-production"
+SECRET_KEY = env_str("FP4PREP_SECRET_KEY") or (DEV_SECRET_KEY if DEBUG else "")
+if not SECRET_KEY:
+    raise ImproperlyConfigured("FP4PREP_SECRET_KEY must be set when FP4PREP_DEBUG is off")
+ALLOWED_HOSTS = env_list("FP4PREP_ALLOWED_HOSTS", ["localhost", "127.0.0.1", "[::1]"] if DEBUG else [])
+CSRF_TRUSTED_ORIGINS = env_list("FP4PREP_CSRF_TRUSTED_ORIGINS", [])
+
+INSTALLED_APPS = [
+    "django.contrib.admin",
+    "django.contrib.auth",
+    "django.contrib.contenttypes",
+    "django.contrib.sessions",
+    "django.contrib.messages",
+    "django.contrib.staticfiles",
+    "rest_framework",
+    "drf_spectacular",
+    "django_q",
+    "django_htmx",
+    "registry",
+    "jobs",
+]
+
+MIDDLEWARE = [
+    "django.middleware.security.SecurityMiddleware",
+    "django.contrib.sessions.middleware.SessionMiddleware",
+    "django.middleware.common.CommonMiddleware",
+    "django.middleware.csrf.CsrfViewMiddleware",
+    "django.contrib.auth.middleware.AuthenticationMiddleware",
+    "django.contrib.messages.middleware.MessageMiddleware",
+    "django.middleware.clickjacking.XFrameOptionsMiddleware",
+    "django_htmx.middleware.HtmxMiddleware",
+]
+
+ROOT_URLCONF = "fp4prep.urls"
+WSGI_APPLICATION = "fp4prep.wsgi.application"
+
+TEMPLATES = [
+    {
+        "BACKEND": "django.template.backends.django.DjangoTemplates",
+        "DIRS": [BASE_DIR / "templates"],
+        "APP_DIRS": True,
+        "OPTIONS": {
+            "context_processors": [
+                "django.template.context_processors.request",
+                "django.contrib.auth.context_processors.auth",
+                "django.contrib.messages.context_processors.messages",
+            ]
+        },
+    }
+]
+
+# --- Database: DATABASE_URL, default SQLite under var/ -----------------------------------------------
+DATABASE_URL = env_str("DATABASE_URL") or f"sqlite:///{VAR_DIR / 'fp4prep.sqlite3'}"
+try:
+    _db = dj_database_url.parse(DATABASE_URL, conn_max_age=env_int("FP4PREP_DB_CONN_MAX_AGE", 0, minimum=0))
+except ValueError as exc:
+    raise ImproperlyConfigured(f"DATABASE_URL={DATABASE_URL!r}: {exc}") from None
+if _db["ENGINE"] == "django.db.backends.sqlite3":
+    # Web requests, the worker cluster and its heartbeat all write: WAL lets readers go on, IMMEDIATE
+    # takes the write lock at BEGIN so two credit holds serialize instead of failing mid-transaction.
+    _db["OPTIONS"] = {
+        "timeout": 30,
+        "transaction_mode": "IMMEDIATE",
+        "init_command": "PRAGMA journal_mode=WAL; PRAGMA synchronous=NORMAL;",
+    }
+    # A file, not memory: the test worker is another process and must see the same database.
+    _db["TEST"] = {"NAME": str(Path(_db["NAME"]).with_name("test-" + Path(_db["NAME"]).name))}
+DATABASES = {"default": _db}
+DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
+
+# --- Files ---------------------------------------------------------------------------------------
+# Artifacts: calibration files, adapter and prepared revisions, job work directories. In production a
+# shared filesystem path every web process and worker mounts at the same place.
+ARTIFACT_ROOT = env_path("FP4PREP_ARTIFACT_ROOT", VAR_DIR / "artifacts")
+# Where workers find the BF16 weights of catalogue entries (SupportedBase.weights_location).
+WEIGHTS_ROOT = env_path("FP4PREP_WEIGHTS_ROOT", VAR_DIR / "weights")
+CALIBRATION_MAX_BYTES = env_int("FP4PREP_CALIBRATION_MAX_BYTES", 64 * 1024 * 1024, minimum=1)
+ADAPTER_MAX_BYTES = env_int("FP4PREP_ADAPTER_MAX_BYTES", 8 * 1024**3, minimum=1)
+ADAPTER_MAX_FILES = env_int("FP4PREP_ADAPTER_MAX_FILES", 1000, minimum=1)
+FILE_UPLOAD_MAX_MEMORY_SIZE = 4 * 1024 * 1024
+FILE_UPLOAD_TEMP_DIR = None
+
+# --- Workers (django-q2) ---------------------------------------------------------------------------
+WORKER_KIND = env_choice("FP4PREP_WORKER_KIND", "cpu", ("cpu", "gpu"))
+WORKER_SLOTS = env_int("FP4PREP_WORKER_SLOTS", 1, minimum=1)
+WORKER_NAME = env_str("FP4PREP_WORKER_NAME")  # default: host:pid
+HEARTBEAT_INTERVAL = env_float("FP4PREP_HEARTBEAT_INTERVAL", 10.0, minimum=0.1)
+HEARTBEAT_TIMEOUT = env_float("FP4PREP_HEARTBEAT_TIMEOUT", 120.0, minimum=0.1)
+JOB_TIMEOUT = env_int("FP4PREP_JOB_TIMEOUT", 48 * 3600, minimum=60)
+BROKER_URL = env_str("FP4PREP_BROKER_URL")  # empty: django-q2's ORM broker in DATABASE_URL
+QUEUE_PREFIX = env_str("FP4PREP_QUEUE_PREFIX", "fp4prep")
+
+Q_CLUSTER: dict[str, object] = {
+    "name": QUEUE_PREFIX,
+    # One queue per worker kind: GPU workers take only GPU jobs. Enqueueing names the job's queue.
+    "cluster_name": f"{QUEUE_PREFIX}-{WORKER_KIND}",
+    "workers": WORKER_SLOTS,
+    "timeout": JOB_TIMEOUT,
+    "retry": JOB_TIMEOUT + 600,
+    "max_attempts": 2,
+    "recycle": 1,  # a fresh process per job: nothing of one job's torch state leaks into the next
+    "ack_failures": True,
+    "catch_up": False,
+    "poll": 0.5,
+    "save_limit": 200,
+    "label": "Worker tasks",
+}
+if BROKER_URL:
+    if not BROKER_URL.startswith(("redis://", "rediss://", "unix://")):
+        raise ImproperlyConfigured(f"FP4PREP_BROKER_URL={BROKER_URL!r} must be a redis:// URL (or empty for the ORM broker)")
+    Q_CLUSTER["redis"] = BROKER_URL
+else:
+    Q_CLUSTER["orm"] = "default"
+
+# --- REST API --------------------------------------------------------------------------------------
+REST_FRAMEWORK = {
+    "DEFAULT_AUTHENTICATION_CLASSES": ["registry.auth.ApiKeyAuthentication"],
+    "DEFAULT_PERMISSION_CLASSES": ["registry.auth.HasProject"],
+    "DEFAULT_RENDERER_CLASSES": ["rest_framework.renderers.JSONRenderer"],
+    "DEFAULT_PARSER_CLASSES": [
+        "rest_framework.parsers.JSONParser",
+        "rest_framework.parsers.MultiPartParser",
+    ],
+    "DEFAULT_PAGINATION_CLASS": "fp4prep.api.Pagination",
+    "PAGE_SIZE": 20,
+    "EXCEPTION_HANDLER": "fp4prep.api.exception_handler",
+    "DEFAULT_SCHEMA_CLASS": "drf_spectacular.openapi.AutoSchema",
+    "UNAUTHENTICATED_USER": None,
+}
+SPECTACULAR_SETTINGS = {
+    "TITLE": "fp4prep API",
+    "DESCRIPTION": "Prepare LoRA adapters for FP4 inference: registry, calibration files and jobs.",
+    "VERSION": "1",
+    "SERVE_INCLUDE_SCHEMA": False,
+    "COMPONENT_SPLIT_REQUEST": True,
+}
+
+# --- Web -------------------------------------------------------------------------------------------
+LANGUAGE_CODE = "en-us"
+TIME_ZONE = "UTC"
+USE_I18N = False
+USE_TZ = True
+STATIC_URL = "static/"
+STATICFILES_DIRS = [BASE_DIR / "static"]
+STATIC_ROOT = env_path("FP4PREP_STATIC_ROOT", VAR_DIR / "static")
+LOGIN_URL = "/admin/login/"
+
+if not DEBUG:
+    SECURE_SSL_REDIRECT = env_bool("FP4PREP_SSL_REDIRECT", True)
+    SECURE_HSTS_SECONDS = env_int("FP4PREP_HSTS_SECONDS", 31536000, minimum=0)
+    SECURE_HSTS_INCLUDE_SUBDOMAINS = True
+    SECURE_HSTS_PRELOAD = True
+    SESSION_COOKIE_SECURE = True
+    CSRF_COOKIE_SECURE = True
+    if env_bool("FP4PREP_BEHIND_PROXY", False):
+        SECURE_PROXY_SSL_HEADER = ("HTTP_X_FORWARDED_PROTO", "https")
+
+LOGGING = {
+    "version": 1,
+    "disable_existing_loggers": False,
+    "formatters": {"plain": {"format": "%(asctime)s %(levelname)s %(name)s: %(message)s"}},
+    "handlers": {"console": {"class": "logging.StreamHandler", "formatter": "plain"}},
+    "root": {"handlers": ["console"], "level": env_str("FP4PREP_LOG_LEVEL", "INFO")},
+    "loggers": {"django_q": {"level": env_str("FP4PREP_QUEUE_LOG_LEVEL", "WARNING"), "propagate": True}},
+}

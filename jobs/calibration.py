@@ -1,0 +1,50 @@
+"""Storing and validating an uploaded calibration file (SPEC section 4)."""
+
+from __future__ import annotations
+
+import hashlib
+import shutil
+from collections.abc import Iterator
+from typing import IO, Any
+
+from fp4prep.errors import InvalidInput
+from fp4prep.pipeline.conversations import validate
+from registry.models import Project
+
+from .models import CalibrationFile
+
+PURPOSES = ("calibration",)
+
+
+def _lines(stream: IO[bytes], digest: Any, copy: IO[bytes]) -> Iterator[bytes]:
+    """The file's lines, hashed and copied to the store on the way through (one pass)."""
+    for line in stream:
+        digest.update(line)
+        copy.write(line)
+        yield line
+
+
+def store(project: Project, stream: IO[bytes], filename: str, purpose: str = "calibration") -> CalibrationFile:
+    """Validate every line and keep the file with its report; a file that fails is kept as ``error``
+    so its report can be read, and no job accepts it."""
+    if purpose not in PURPOSES:
+        raise InvalidInput(f"purpose: must be one of {', '.join(PURPOSES)}, not {purpose!r}")
+    record = CalibrationFile(project=project, purpose=purpose, filename=filename[:255] or "calibration.jsonl")
+    record.path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = record.path.with_suffix(".part")
+    digest = hashlib.sha256()
+    try:
+        with tmp.open("wb") as copy:
+            stream.seek(0)
+            report, _ = validate(_lines(stream, digest, copy))
+        record.size_bytes = tmp.stat().st_size
+        record.sha256 = digest.hexdigest()
+        record.status = CalibrationFile.Status.PROCESSED if report.ok else CalibrationFile.Status.ERROR
+        record.report = {**report.to_dict(), "summary": "ok" if report.ok else report.summary()}
+        shutil.move(str(tmp), str(record.path))
+        record.save()
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        record.path.unlink(missing_ok=True)
+        raise
+    return record

@@ -1,0 +1,67 @@
+"""``manage.py runworker``: a django-q2 worker cluster that announces its kind and slots.
+
+The cluster takes jobs from its kind's queue (FP4PREP_WORKER_KIND). This process sends the worker's
+heartbeat and runs the dispatcher: pending jobs go to free slots, dead workers' jobs end.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import time
+from typing import Any
+
+from django.conf import settings
+from django.core.management.base import BaseCommand, CommandParser
+from django.db import connections
+from django.utils import timezone
+
+from jobs import services
+from jobs.models import Worker
+
+logger = logging.getLogger("jobs.worker")
+
+
+class Command(BaseCommand):
+    help = "Run a worker cluster of FP4PREP_WORKER_KIND with FP4PREP_WORKER_SLOTS slots."
+
+    def add_arguments(self, parser: CommandParser) -> None:
+        parser.add_argument("--name", default="", help="worker name (default: host:pid)")
+
+    def handle(self, *args: Any, **options: Any) -> None:
+        from django_q.cluster import Cluster
+
+        name = options["name"] or settings.WORKER_NAME or f"{socket.gethostname()}:{os.getpid()}"
+        os.environ["FP4PREP_WORKER_NAME"] = name  # the cluster's processes name the jobs they run after it
+        self._beat(name)
+        connections.close_all()  # nothing of this process's connections crosses the fork
+        cluster = Cluster()
+        cluster.start()
+        self.stdout.write(
+            f"worker {name}: {settings.WORKER_SLOTS} {settings.WORKER_KIND.upper()} slot(s) on queue "
+            f"{settings.Q_CLUSTER['cluster_name']}",
+        )
+        self.stdout.flush()
+        try:
+            while cluster.sentinel is not None and cluster.sentinel.is_alive():
+                try:
+                    self._beat(name)
+                    services.dispatch()
+                except Exception:  # the database may be away for a moment; keep the cluster up
+                    logger.exception("heartbeat failed")
+                finally:
+                    connections.close_all()
+                time.sleep(settings.HEARTBEAT_INTERVAL)
+        finally:
+            Worker.objects.filter(name=name).delete()
+            connections.close_all()
+
+    def _beat(self, name: str) -> None:
+        now = timezone.now()
+        Worker.objects.update_or_create(
+            name=name,
+            defaults={"kind": settings.WORKER_KIND, "slots": settings.WORKER_SLOTS, "last_seen": now},
+            create_defaults={"kind": settings.WORKER_KIND, "slots": settings.WORKER_SLOTS, "last_seen": now,
+                             "started_at": now},
+        )

@@ -1,0 +1,362 @@
+"""The verbs of the job lifecycle (SPEC section 2). The API, the pages, the admin and the workers call
+these; none of them changes a job's status any other way.
+
+pending -> queued (dispatch, when a worker slot of the job's kind is free) -> running (the task's
+claim) -> completed | error | user_error; cancel_requested -> cancelled. Every status and stage change
+writes an event; every end settles the credit hold in the same transaction.
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+from dataclasses import dataclass
+from datetime import timedelta
+from decimal import Decimal
+from typing import Any
+
+from django.conf import settings
+from django.db import transaction
+from django.db.models import Q
+from django.utils import timezone
+
+from fp4prep.errors import Conflict, Forbidden, InvalidInput, PaymentRequired
+from registry.models import (
+    CreditTransaction,
+    Model,
+    Project,
+    Revision,
+    SupportedBase,
+    get_model,
+    get_revision,
+)
+
+from .models import CalibrationFile, Job, Worker, get_file, get_job
+
+logger = logging.getLogger(__name__)
+
+STATUS_EVENT = "JOB_STATUS"
+STAGE_EVENT = "JOB_STAGE"
+USER_ERROR_EVENT = "SHAPING_USER_ERROR"
+ERROR_EVENT = "SHAPING_ERROR"
+
+
+@dataclass
+class Inputs:
+    adapter: Model
+    revision: Revision
+    calibration_file: CalibrationFile | None
+    supported_base: SupportedBase
+
+
+@dataclass
+class Estimate:
+    inputs: Inputs
+    price_usd: Decimal
+    time_hours: Decimal
+    allowed_to_proceed: bool
+    reason: str
+    balance_usd: Decimal
+    held_usd: Decimal
+    available_usd: Decimal
+
+    def to_dict(self) -> dict[str, Any]:
+        base = self.inputs.supported_base
+        return {
+            "price_usd": float(self.price_usd),
+            "time_hours": float(self.time_hours),
+            "allowed_to_proceed": self.allowed_to_proceed,
+            "reason": self.reason,
+            "balance_usd": float(self.balance_usd),
+            "held_usd": float(self.held_usd),
+            "available_usd": float(self.available_usd),
+            "base_model": base.family,
+            "quantization": base.quantization,
+            "adapter_object_id": self.inputs.adapter.id,
+            "adapter_revision_id": self.inputs.revision.id,
+            "calibration_file_id": self.inputs.calibration_file.id if self.inputs.calibration_file else None,
+        }
+
+
+def _string(inputs: dict[str, Any], key: str, required: bool = False) -> str | None:
+    value = inputs.get(key)
+    if value is None or value == "":
+        if required:
+            raise InvalidInput(f"inputs.{key} is required")
+        return None
+    if not isinstance(value, str):
+        raise InvalidInput(f"inputs.{key} must be a string")
+    return value
+
+
+def resolve_inputs(project: Project, inputs: dict[str, Any]) -> Inputs:
+    """Everything estimate and create both check, in the order a user can fix it."""
+    if not isinstance(inputs, dict):
+        raise InvalidInput("inputs must be an object with adapter_object_id")
+    adapter_id = _string(inputs, "adapter_object_id", required=True)
+    assert adapter_id is not None
+    adapter = get_model(project, adapter_id)
+    if adapter.kind in (Model.Kind.BASE, Model.Kind.MERGED, Model.Kind.PREPARED):
+        raise InvalidInput(f"model {adapter.id} is not an adapter", code="not_an_adapter")
+    if not adapter.records_fine_tuning:
+        raise InvalidInput(f"model {adapter.id} does not record a fine-tuning relation", code="no_fine_tuning_relation")
+    supported = SupportedBase.for_base_id(adapter.base_model)
+    if supported is None:
+        raise InvalidInput(
+            f"Preparing an adapter on base model {adapter.base_model} is not supported", code="unsupported_base"
+        )
+    revision_id = _string(inputs, "adapter_revision_id")
+    revision = get_revision(adapter, revision_id) if revision_id else adapter.latest_revision()
+    if revision is None:
+        raise InvalidInput(f"model {adapter.id} has no revisions to prepare", code="no_revision")
+    calibration = None
+    file_id = _string(inputs, "calibration_file_id")
+    if file_id:
+        calibration = get_file(project, file_id)
+        if calibration.status != CalibrationFile.Status.PROCESSED:
+            raise InvalidInput(f"Calibration file {file_id} did not pass validation", code="file_invalid")
+    return Inputs(adapter, revision, calibration, supported)
+
+
+def _credit_problem(project: Project, price: Decimal) -> tuple[str, Any]:
+    credit = project.credit()
+    if credit.available < price:
+        return (
+            f"The estimated price ${price} exceeds the project's available credit ${credit.available} "
+            f"(balance ${credit.balance}, ${credit.held} held by other jobs). Add credits and retry.",
+            credit,
+        )
+    return "", credit
+
+
+def blocked_message(project: Project) -> str:
+    reason = f" ({project.blocked_reason})" if project.blocked_reason else ""
+    return f"Project {project.id} is blocked from starting jobs{reason}. Contact support."
+
+
+def estimate(project: Project, inputs: dict[str, Any]) -> Estimate:
+    """Price and time from the catalogue; never charges and never holds."""
+    resolved = resolve_inputs(project, inputs)
+    base = resolved.supported_base
+    price = base.price()
+    problem, credit = _credit_problem(project, price)
+    if project.blocked:
+        problem = blocked_message(project)
+    return Estimate(
+        inputs=resolved,
+        price_usd=price,
+        time_hours=base.typical_hours,
+        allowed_to_proceed=not problem,
+        reason=problem,
+        balance_usd=credit.balance,
+        held_usd=credit.held,
+        available_usd=credit.available,
+    )
+
+
+def create_job(project: Project, inputs: dict[str, Any]) -> Job:
+    """Re-check everything, hold the price and create the job in one transaction.
+
+    The project row is locked first, so two creates for one project run one after the other and
+    the second sees the first's hold: they can't both spend the same credit.
+    """
+    with transaction.atomic():
+        locked = Project.objects.select_for_update().get(pk=project.pk)
+        resolved = resolve_inputs(locked, inputs)
+        if locked.blocked:
+            raise Forbidden(blocked_message(locked))
+        base = resolved.supported_base
+        price = base.price()
+        problem, _ = _credit_problem(locked, price)
+        if problem:
+            raise PaymentRequired(problem)
+        job = Job.objects.create(
+            project=locked,
+            adapter=resolved.adapter,
+            adapter_revision=resolved.revision,
+            calibration_file=resolved.calibration_file,
+            supported_base=base,
+            price_usd=price,
+            time_hours=base.typical_hours,
+            estimate={"price_usd": float(price), "time_hours": float(base.typical_hours)},
+        )
+        CreditTransaction.objects.create(
+            project=locked, kind=CreditTransaction.Kind.HOLD, amount=price, job_id=job.id, note="held for the job"
+        )
+        job.event(
+            STATUS_EVENT,
+            f"Job created; waiting for a {base.worker_kind.upper()} worker slot. ${price} of credit is held.",
+            data={"status": Job.Status.PENDING},
+        )
+        transaction.on_commit(dispatch)
+    return job
+
+
+def request_cancel(project: Project, job_id: str) -> Job:
+    job = get_job(project, job_id)
+    with transaction.atomic():
+        changed = Job.objects.filter(pk=job.pk, status__in=Job.CANCELLABLE).update(status=Job.Status.CANCEL_REQUESTED)
+        job.refresh_from_db()
+        if not changed:
+            if job.status == Job.Status.CANCEL_REQUESTED:
+                why = "its cancellation was already requested; it stops at the worker's next check"
+            else:
+                why = f"it has already ended ({job.status})"
+            raise Conflict(f"Shaping job {job.id} is not cancellable: {why}", code="job_not_cancellable")
+        job.event(
+            STATUS_EVENT,
+            "Cancellation requested; the job stops at its next check",
+            data={"status": Job.Status.CANCEL_REQUESTED},
+        )
+        transaction.on_commit(dispatch)  # settles a job no worker has picked up yet
+    return job
+
+
+def requeue(job: Job) -> Job:
+    """Support's action: run a failed or cancelled job's inputs again as a new job (new hold, new ID)."""
+    inputs = {
+        "adapter_object_id": job.adapter_id,
+        "adapter_revision_id": job.adapter_revision_id,
+        "calibration_file_id": job.calibration_file_id,
+    }
+    new = create_job(job.project, inputs)
+    new.event(STATUS_EVENT, f"Requeued from {job.id} by support", data={"status": new.status, "requeued_from": job.id})
+    return new
+
+
+def finish(
+    job: Job,
+    status: str,
+    *,
+    message: str,
+    event_type: str = STATUS_EVENT,
+    level: str = "info",
+    data: dict[str, Any] | None = None,
+    from_statuses: tuple[str, ...] = (Job.Status.RUNNING, Job.Status.CANCEL_REQUESTED),
+    condition: Q | None = None,
+    result: tuple[Model, Revision] | None = None,
+    report: dict[str, Any] | None = None,
+) -> bool:
+    """End the job if it is still in ``from_statuses``; settle its hold. Returns whether it ended here."""
+    assert status in Job.TERMINAL
+    with transaction.atomic():
+        query = Job.objects.filter(pk=job.pk, status__in=from_statuses)
+        if condition is not None:
+            query = query.filter(condition)
+        fields: dict[str, Any] = {"status": status, "finished_at": timezone.now()}
+        if result is not None:
+            fields["result_model"], fields["result_revision"] = result
+        if report is not None:
+            fields["report"] = report
+        if query.update(**fields) != 1:
+            return False
+        kind = CreditTransaction.Kind.CHARGE if status == Job.Status.COMPLETED else CreditTransaction.Kind.RELEASE
+        CreditTransaction.objects.create(
+            project_id=job.project_id, kind=kind, amount=job.price_usd, job_id=job.id, note=f"job {status}"
+        )
+        job.event(event_type, message, level=level, data={"status": status, **(data or {})})
+        transaction.on_commit(dispatch)  # a slot is free
+    job.refresh_from_db()
+    return True
+
+
+def work_dir(job_id: str) -> Any:
+    return settings.ARTIFACT_ROOT / "work" / job_id
+
+
+def dispatch() -> list[str]:
+    """Settle what no worker will, then hand pending jobs to free worker slots, oldest first.
+
+    Called after every create, cancel and end, and by every worker's heartbeat. Returns the IDs
+    of the jobs it queued.
+    """
+    reap_dead_jobs()
+    settle_unclaimed_cancellations()
+    resend_stale_queued()
+    queued: list[str] = []
+    for kind in SupportedBase.WorkerKind.values:
+        with transaction.atomic():
+            # Locking the kind's live workers serializes dispatchers, so slots are never oversold.
+            capacity = sum(w.slots for w in Worker.alive().filter(kind=kind).select_for_update())
+            active = Job.objects.filter(status__in=Job.ACTIVE, supported_base__worker_kind=kind).count()
+            free = capacity - active
+            if free <= 0:
+                continue
+            pending = Job.objects.filter(status=Job.Status.PENDING, supported_base__worker_kind=kind)
+            for job in pending.order_by("created_at")[:free]:
+                now = timezone.now()
+                if Job.objects.filter(pk=job.pk, status=Job.Status.PENDING).update(status=Job.Status.QUEUED, queued_at=now):
+                    job.event(
+                        STATUS_EVENT, f"Job is queued: a {kind.upper()} worker slot is free", data={"status": Job.Status.QUEUED}
+                    )
+                    transaction.on_commit(lambda job=job: enqueue(job))
+                    queued.append(job.id)
+    return queued
+
+
+def enqueue(job: Job) -> None:
+    from django_q.tasks import async_task
+
+    from .tasks import prepare
+
+    async_task(
+        prepare,
+        job.id,
+        cluster=f"{settings.QUEUE_PREFIX}-{job.supported_base.worker_kind}",
+        task_name=f"prepare {job.id}",
+        group="prepare",
+    )
+
+
+def settle_unclaimed_cancellations() -> None:
+    for job in Job.objects.filter(status=Job.Status.CANCEL_REQUESTED, started_at__isnull=True):
+        finish(
+            job,
+            Job.Status.CANCELLED,
+            message="Job cancelled before a worker started it",
+            from_statuses=(Job.Status.CANCEL_REQUESTED,),
+            condition=Q(started_at__isnull=True),
+        )
+
+
+def reap_dead_jobs() -> None:
+    """A running job whose worker stopped sending heartbeats ends: error (or cancelled if asked)."""
+    cutoff = timezone.now() - timedelta(seconds=settings.HEARTBEAT_TIMEOUT)
+    stale = Job.objects.filter(
+        status__in=(Job.Status.RUNNING, Job.Status.CANCEL_REQUESTED), started_at__isnull=False, heartbeat_at__lt=cutoff
+    )
+    for job in stale:
+        last = job.heartbeat_at.strftime("%Y-%m-%d %H:%M:%S UTC") if job.heartbeat_at else "never"
+        condition = Q(heartbeat_at__lt=cutoff)
+        if job.status == Job.Status.CANCEL_REQUESTED:
+            ended = finish(
+                job, Job.Status.CANCELLED, message=f"Job cancelled; its worker {job.worker} stopped (last heartbeat {last})",
+                from_statuses=(Job.Status.CANCEL_REQUESTED,), condition=condition,
+            )
+        else:
+            ended = finish(
+                job,
+                Job.Status.ERROR,
+                event_type=ERROR_EVENT,
+                level="error",
+                message=(
+                    f"The worker running this job ({job.worker}) stopped sending heartbeats (last at {last}) "
+                    f"during {job.stage or 'start-up'}; nothing was registered. Retrying may help."
+                ),
+                data={"worker": job.worker, "stage": job.stage},
+                from_statuses=(Job.Status.RUNNING,),
+                condition=condition,
+            )
+        if ended:
+            logger.warning("job %s: worker %s stopped sending heartbeats", job.id, job.worker)
+            shutil.rmtree(work_dir(job.id), ignore_errors=True)
+
+
+def resend_stale_queued() -> None:
+    """A queued job whose task was lost (a broker that forgets, a worker that died before claiming)
+    is sent again; the claim makes a second delivery harmless."""
+    cutoff = timezone.now() - timedelta(seconds=max(settings.HEARTBEAT_TIMEOUT, 60))
+    for job in Job.objects.filter(status=Job.Status.QUEUED, queued_at__lt=cutoff).select_related("supported_base"):
+        if Job.objects.filter(pk=job.pk, status=Job.Status.QUEUED, queued_at__lt=cutoff).update(queued_at=timezone.now()):
+            logger.warning("job %s: queued for over %ss without a worker claiming it; sent again", job.id, cutoff)
+            transaction.on_commit(lambda job=job: enqueue(job))

@@ -1,0 +1,254 @@
+"""The worker side: one typed task per job, run by django-q2 in a fresh process.
+
+torch, transformers and ModelOpt are imported here, inside the task, never by the web process.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import socket
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from django.conf import settings
+from django.db import close_old_connections, connection, transaction
+from django.utils import timezone
+
+from registry.artifacts import store_revision
+from registry.models import Model
+
+from . import services
+from .models import Job
+
+logger = logging.getLogger(__name__)
+
+STAGE_MESSAGES = {
+    "merging": "Merging the adapter into the base's BF16 weights",
+    "calibrating": "Calibrating on the corpus (half your conversations, half general text)",
+    "quantizing": "Quantizing",
+    "exporting": "Exporting the checkpoint",
+    "validating": "Validating: structure, independent reload, token parity with the BF16 merged model",
+    "uploading": "Registering the checkpoint as a new model revision",
+}
+PROGRESS_WRITE_SECONDS = 1.0
+CANCEL_CHECK_SECONDS = 0.5
+
+
+def worker_name() -> str:
+    cluster = os.environ.get("FP4PREP_WORKER_NAME") or settings.WORKER_NAME or socket.gethostname()
+    return f"{cluster}/{os.getpid()}"
+
+
+def prepare(job_id: str) -> str:
+    """Claim the job (a task delivered twice runs once), run the pipeline, register the result."""
+    close_old_connections()
+    now = timezone.now()
+    name = worker_name()
+    claimed = Job.objects.filter(pk=job_id, status=Job.Status.QUEUED).update(
+        status=Job.Status.RUNNING, started_at=now, heartbeat_at=now, worker=name
+    )
+    if not claimed:
+        services.dispatch()  # a cancellation that came first is settled there
+        return "not claimed"
+    job = Job.objects.select_related(
+        "supported_base", "adapter", "adapter_revision", "calibration_file", "project"
+    ).get(pk=job_id)
+    job.event(services.STATUS_EVENT, f"Job is running on worker {name}", data={"status": Job.Status.RUNNING, "worker": name})
+    heartbeat = Heartbeat(job.id, name)
+    heartbeat.start()
+    try:
+        return _run(job)
+    finally:
+        heartbeat.stop()
+        shutil.rmtree(services.work_dir(job.id), ignore_errors=True)
+
+
+class Heartbeat(threading.Thread):
+    """Tells the dispatcher this job's worker is alive, even inside one long library call."""
+
+    def __init__(self, job_id: str, worker: str) -> None:
+        super().__init__(daemon=True, name=f"heartbeat {job_id}")
+        self.job_id, self.worker = job_id, worker
+        self._stop_event = threading.Event()
+
+    def run(self) -> None:
+        try:
+            while not self._stop_event.wait(settings.HEARTBEAT_INTERVAL):
+                Job.objects.filter(pk=self.job_id, worker=self.worker).update(heartbeat_at=timezone.now())
+        finally:
+            connection.close()
+
+    def stop(self) -> None:
+        self._stop_event.set()
+        self.join(timeout=10)
+
+
+class Reporter:
+    """The pipeline's progress callback and cancellation check, wired to the job row."""
+
+    def __init__(self, job: Job) -> None:
+        self.job = job
+        self.stage = ""
+        self.last_write = 0.0
+        self.last_check = 0.0
+        self.cancelled = False
+
+    def progress(self, stage: str, fraction: float) -> None:
+        now = time.monotonic()
+        if stage != self.stage:
+            self.stage = stage
+            self.last_write = now
+            Job.objects.filter(pk=self.job.pk).update(
+                stage=stage, progress=fraction, stage_started_at=timezone.now(), heartbeat_at=timezone.now()
+            )
+            self.job.event(services.STAGE_EVENT, STAGE_MESSAGES.get(stage, stage), data={"stage": stage})
+        elif now - self.last_write >= PROGRESS_WRITE_SECONDS or fraction >= 1.0:
+            self.last_write = now
+            Job.objects.filter(pk=self.job.pk).update(progress=fraction, heartbeat_at=timezone.now())
+
+    def should_cancel(self) -> bool:
+        now = time.monotonic()
+        if not self.cancelled and now - self.last_check >= CANCEL_CHECK_SECONDS:
+            self.last_check = now
+            status = Job.objects.filter(pk=self.job.pk).values_list("status", flat=True).first()
+            # Anything but running stops the run: a cancellation, or a reaper that gave up on us.
+            self.cancelled = status != Job.Status.RUNNING
+        return self.cancelled
+
+
+def _run(job: Job) -> str:
+    from fp4prep.pipeline import Cancelled, PipelineError, UserError
+
+    reporter = Reporter(job)
+    try:
+        result = _pipeline(job, reporter)
+    except Cancelled:
+        services.finish(job, Job.Status.CANCELLED, message=f"Job cancelled during {reporter.stage or 'start-up'}",
+                        data={"stage": reporter.stage})
+        return "cancelled"
+    except UserError as exc:
+        services.finish(job, Job.Status.USER_ERROR, event_type=services.USER_ERROR_EVENT, level="error",
+                        message=str(exc), data={"stage": reporter.stage}, from_statuses=(Job.Status.RUNNING,))
+        return "user_error"
+    except (PipelineError, WeightsMissing) as exc:
+        _fail(job, str(exc), reporter.stage)
+        return "error"
+    except Exception as exc:
+        logger.exception("job %s failed", job.id)
+        _fail(job, f"Internal error during {reporter.stage or 'start-up'}: {exc}. Retrying may help.", reporter.stage)
+        return "error"
+    try:
+        return _register(job, reporter, result)
+    except Exception as exc:
+        logger.exception("job %s: registration failed", job.id)
+        _fail(job, f"Registering the checkpoint failed: {exc}. Retrying may help.", "uploading")
+        return "error"
+
+
+def _fail(job: Job, message: str, stage: str) -> None:
+    ended = services.finish(job, Job.Status.ERROR, event_type=services.ERROR_EVENT, level="error", message=message,
+                            data={"stage": stage}, from_statuses=(Job.Status.RUNNING,))
+    if not ended:  # cancelled meanwhile: the run stopped, so the cancellation is what happened
+        services.finish(job, Job.Status.CANCELLED, message="Job cancelled", from_statuses=(Job.Status.CANCEL_REQUESTED,))
+
+
+class WeightsMissing(Exception):
+    pass
+
+
+def _pipeline(job: Job, reporter: Reporter) -> Any:
+    from fp4prep.pipeline import PipelineConfig, Thresholds, run
+
+    base = job.supported_base
+    weights = base.weights_dir()
+    if not (weights / "config.json").is_file():
+        raise WeightsMissing(
+            f"This worker has no BF16 weights for {base.family} (looked in {weights}). "
+            "An operator must install them under FP4PREP_WEIGHTS_ROOT; retrying on a worker that has them may help."
+        )
+    recipe = dict(base.recipe)
+    thresholds = recipe.pop("thresholds", None)
+    out = services.work_dir(job.id) / "output"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    config = PipelineConfig(
+        base_dir=weights,
+        output_dir=out,
+        quantization=base.quantization,
+        adapter_dir=job.adapter_revision.directory,
+        calibration_file=job.calibration_file.path if job.calibration_file else None,
+        user_token_minimum=base.user_token_minimum if job.calibration_file else 0,
+        lineage={
+            "name": f"{job.adapter.name} ({base.quantization.upper()})",
+            "base": base.served_base_id,
+            "adapter": f"{job.adapter.id}/{job.adapter_revision.id}",
+            "adapter_base": job.adapter.base_model,
+            "calibration_file": job.calibration_file_id,
+            "job": job.id,
+            "project": job.project_id,
+        },
+        thresholds=Thresholds(**thresholds) if thresholds else None,
+        progress=reporter.progress,
+        should_cancel=reporter.should_cancel,
+        **recipe,
+    )
+    return run(config)
+
+
+def _register(job: Job, reporter: Reporter, result: Any) -> str:
+    reporter.progress("uploading", 0.0)
+    base = job.supported_base
+    report = _report(result)
+    revision = None
+    try:
+        with transaction.atomic():
+            locked = Job.objects.select_for_update().get(pk=job.pk)
+            if locked.status != Job.Status.RUNNING:
+                services.finish(job, Job.Status.CANCELLED, message="Job cancelled before its checkpoint was registered",
+                                from_statuses=(Job.Status.CANCEL_REQUESTED,))
+                return "cancelled"
+            prepared = Model.objects.filter(
+                project=job.project, kind=Model.Kind.PREPARED, source_adapter=job.adapter, supported_base=base
+            ).first()
+            if prepared is None:  # a repeat job adds a revision to the earlier job's model
+                prepared = Model.objects.create(
+                    project=job.project,
+                    kind=Model.Kind.PREPARED,
+                    name=f"{job.adapter.name} ({base.quantization.upper()})",
+                    base_model=base.served_base_id,
+                    supported_base=base,
+                    source_adapter=job.adapter,
+                )
+            revision = store_revision(
+                prepared, Path(result.output_dir), job_id=job.id,
+                metadata={"job": job.id, "quantization": base.quantization,
+                          "adapter_revision": job.adapter_revision_id, "report": report},
+            )
+            services.finish(
+                job,
+                Job.Status.COMPLETED,
+                message=f"Job completed: model {prepared.id}, revision {revision.id}",
+                data={"api_model_object_id": prepared.id, "api_model_revision_id": revision.id},
+                from_statuses=(Job.Status.RUNNING,),
+                result=(prepared, revision),
+                report=report,
+            )
+    except BaseException:
+        # Nothing half-registered: the row rolled back, so the files go too.
+        if revision is not None:
+            shutil.rmtree(revision.directory, ignore_errors=True)
+        raise
+    return "completed"
+
+
+def _report(result: Any) -> dict[str, Any]:
+    data = result.to_dict()
+    data.pop("output_dir", None)
+    retention = data.get("retention")
+    if retention and len(retention.get("per_tensor", {})) > 20:  # keep the row small: the worst 20
+        worst = sorted(retention["per_tensor"].items(), key=lambda kv: kv[1])[:20]
+        retention["per_tensor"] = dict(worst)
+    return data

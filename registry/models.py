@@ -1,0 +1,276 @@
+"""Projects, API keys, the credit ledger, the model registry and the supported-base catalogue."""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from decimal import ROUND_HALF_UP, Decimal
+from pathlib import Path
+from typing import Any
+
+from django.conf import settings
+from django.db import models
+from django.db.models import Q, Sum
+from django.utils import timezone
+
+from fp4prep import ids
+from fp4prep.errors import NotFound
+
+CENT = Decimal("0.01")
+
+
+def usd(value: Decimal | int | str) -> Decimal:
+    return Decimal(value).quantize(CENT, rounding=ROUND_HALF_UP)
+
+
+@dataclass(frozen=True)
+class Credit:
+    balance: Decimal  # grants and adjustments minus charges
+    held: Decimal  # holds not yet charged or released
+    available: Decimal
+
+
+class Project(models.Model):
+    id = models.CharField(primary_key=True, max_length=40, default=ids.project_id, editable=False)
+    name = models.CharField(max_length=100)
+    blocked = models.BooleanField(default=False)
+    blocked_reason = models.CharField(max_length=200, blank=True)
+    members = models.ManyToManyField(settings.AUTH_USER_MODEL, related_name="projects", blank=True)
+    created_at = models.DateTimeField(default=timezone.now)
+
+    class Meta:
+        ordering = ["name"]
+
+    def __str__(self) -> str:
+        return f"{self.name} ({self.id})"
+
+    def credit(self) -> Credit:
+        """The ledger summed in one query."""
+        kinds = CreditTransaction.Kind
+        totals = self.credit_transactions.aggregate(
+            added=Sum("amount", filter=Q(kind__in=[kinds.GRANT, kinds.ADJUSTMENT]), default=Decimal(0)),
+            held=Sum("amount", filter=Q(kind=kinds.HOLD), default=Decimal(0)),
+            charged=Sum("amount", filter=Q(kind=kinds.CHARGE), default=Decimal(0)),
+            released=Sum("amount", filter=Q(kind=kinds.RELEASE), default=Decimal(0)),
+        )
+        balance = usd(totals["added"] - totals["charged"])
+        held = usd(totals["held"] - totals["charged"] - totals["released"])
+        return Credit(balance=balance, held=held, available=balance - held)
+
+    def add_credit(self, amount: Decimal, note: str, user: Any = None, kind: str = "adjustment") -> CreditTransaction:
+        """A grant or a manual adjustment (negative to take credit away); never an overwrite."""
+        return self.credit_transactions.create(kind=kind, amount=usd(amount), note=note, created_by=user)
+
+    def block(self, reason: str = "") -> None:
+        self.blocked, self.blocked_reason = True, reason
+        self.save(update_fields=["blocked", "blocked_reason"])
+
+    def unblock(self) -> None:
+        self.blocked, self.blocked_reason = False, ""
+        self.save(update_fields=["blocked", "blocked_reason"])
+
+
+class CreditTransaction(models.Model):
+    """One line of a project's credit ledger. Amounts of holds, charges and releases are positive."""
+
+    class Kind(models.TextChoices):
+        GRANT = "grant"
+        ADJUSTMENT = "adjustment"
+        HOLD = "hold"
+        CHARGE = "charge"
+        RELEASE = "release"
+
+    project = models.ForeignKey(Project, on_delete=models.CASCADE, related_name="credit_transactions")
+    kind = models.CharField(max_length=12, choices=Kind.choices)
+    amount = models.DecimalField(max_digits=14, decimal_places=2)
+    job_id = models.CharField(max_length=40, blank=True, db_index=True)
+    note = models.CharField(max_length=200, blank=True)
+    created_by = models.ForeignKey(settings.AUTH_USER_MODEL, null=True, blank=True, on_delete=models.SET_NULL)
+    created_at = models.DateTimeField(default=timezone.now)
+
+    class Meta:
+        ordering = ["-created_at", "-id"]
+
+    def __str__(self) -> str:
+        return f"{self.kind} ${self.amount} ({self.project_id})"
+
+
+def hash_key(raw: str) -> str:
+    return hashlib.sha256(raw.encode()).hexdigest()
+
+
+class ApiKey(models.Model):
+    """Stored hashed; the key itself is shown once, when created."""
+
+    project = models.ForeignKey(Project, on_delete=models.CASCADE, related_name="api_keys")
+    name = models.CharField(max_length=100, blank=True)
+    prefix = models.CharField(max_length=12, editable=False)
+    hashed = models.CharField(max_length=64, unique=True, editable=False)
+    created_at = models.DateTimeField(default=timezone.now)
+    last_used_at = models.DateTimeField(null=True, blank=True)
+    revoked_at = models.DateTimeField(null=True, blank=True)
+
+    class Meta:
+        verbose_name = "API key"
+        ordering = ["-created_at"]
+
+    def __str__(self) -> str:
+        return f"{self.prefix}… ({self.name or 'unnamed'})"
+
+    @classmethod
+    def issue(cls, project: Project, name: str = "") -> tuple[ApiKey, str]:
+        raw = ids.api_key()
+        return cls.objects.create(project=project, name=name, prefix=raw[:12], hashed=hash_key(raw)), raw
+
+    @classmethod
+    def find(cls, raw: str) -> ApiKey | None:
+        return (
+            cls.objects.select_related("project").filter(hashed=hash_key(raw), revoked_at__isnull=True).first()
+        )
+
+    def revoke(self) -> None:
+        self.revoked_at = timezone.now()
+        self.save(update_fields=["revoked_at"])
+
+
+class SupportedBase(models.Model):
+    """A catalogue entry: which adapters can be prepared and how. Data, edited in the admin."""
+
+    class WorkerKind(models.TextChoices):
+        GPU = "gpu"
+        CPU = "cpu"
+
+    slug = models.SlugField(primary_key=True, max_length=60)
+    family = models.CharField(max_length=100)
+    accepted_base_ids = models.JSONField(help_text="Adapter base IDs this entry accepts")
+    served_base_id = models.CharField(max_length=200, help_text="The FP4 base the prepared model is registered against")
+    quantization = models.CharField(max_length=10, choices=[("nvfp4", "NVFP4"), ("mxfp4", "MXFP4")])
+    # Fixed merge and quantization parameters (PipelineConfig fields); users can't change them.
+    recipe = models.JSONField(default=dict, blank=True)
+    user_token_minimum = models.PositiveIntegerField()
+    typical_hours = models.DecimalField(max_digits=8, decimal_places=3)
+    gpu_count = models.PositiveIntegerField(help_text="0 for a CPU worker")
+    price_per_gpu_hour = models.DecimalField(max_digits=10, decimal_places=4, help_text="USD per GPU-hour (per worker-hour on a CPU worker)")
+    worker_kind = models.CharField(max_length=3, choices=WorkerKind.choices)
+    weights_location = models.CharField(
+        max_length=500, help_text="BF16 weights: a directory under FP4PREP_WEIGHTS_ROOT, an absolute path, or 'embedded:smollm2'"
+    )
+    active = models.BooleanField(default=True)
+
+    class Meta:
+        ordering = ["family"]
+
+    def __str__(self) -> str:
+        return self.family
+
+    def price(self) -> Decimal:
+        return usd(self.typical_hours * max(self.gpu_count, 1) * self.price_per_gpu_hour)
+
+    @classmethod
+    def for_base_id(cls, base_id: str) -> SupportedBase | None:
+        # A handful of rows: JSON containment isn't portable to SQLite, a Python scan is.
+        return next((b for b in cls.objects.filter(active=True) if base_id in b.accepted_base_ids), None)
+
+    def weights_dir(self) -> Path:
+        if self.weights_location.startswith("embedded:"):
+            from fp4prep import demo
+
+            return demo.base_dir()
+        path = Path(self.weights_location)
+        return path if path.is_absolute() else settings.WEIGHTS_ROOT / path
+
+
+class DeploymentProfile(models.Model):
+    id = models.CharField(primary_key=True, max_length=40, default=ids.profile_id, editable=False)
+    supported_base = models.ForeignKey(SupportedBase, on_delete=models.CASCADE, related_name="profiles")
+    name = models.CharField(max_length=100)
+    hardware = models.CharField(max_length=100)
+    gpu_count = models.PositiveIntegerField()
+    quantization = models.CharField(max_length=10)
+
+    class Meta:
+        ordering = ["gpu_count", "name"]
+
+    def __str__(self) -> str:
+        return f"{self.name} ({self.id})"
+
+
+class Model(models.Model):
+    class Kind(models.TextChoices):
+        BASE = "base"
+        ADAPTER = "adapter"
+        MERGED = "merged"
+        FULL = "full"
+        PREPARED = "prepared"
+
+    id = models.CharField(primary_key=True, max_length=40, default=ids.model_id, editable=False)
+    project = models.ForeignKey(Project, null=True, blank=True, on_delete=models.CASCADE, related_name="models")
+    kind = models.CharField(max_length=10, choices=Kind.choices)
+    name = models.CharField(max_length=200)
+    # Adapters: the base ID they were trained on. Prepared models: the FP4 base that serves them.
+    base_model = models.CharField(max_length=200, blank=True)
+    supported_base = models.ForeignKey(SupportedBase, null=True, blank=True, on_delete=models.PROTECT, related_name="+")
+    source_adapter = models.ForeignKey(
+        "self", null=True, blank=True, on_delete=models.PROTECT, related_name="prepared_models"
+    )
+    created_at = models.DateTimeField(default=timezone.now)
+
+    class Meta:
+        ordering = ["-created_at", "id"]
+        indexes = [models.Index(fields=["project", "-created_at"])]
+
+    def __str__(self) -> str:
+        return f"{self.name} ({self.id})"
+
+    @property
+    def records_fine_tuning(self) -> bool:
+        return self.kind == self.Kind.ADAPTER and bool(self.base_model)
+
+    def latest_revision(self) -> Revision | None:
+        return self.revisions.order_by("-number").first()
+
+    def deployment_profiles(self) -> models.QuerySet[DeploymentProfile]:
+        if self.supported_base_id is None:
+            return DeploymentProfile.objects.none()
+        return DeploymentProfile.objects.filter(supported_base_id=self.supported_base_id)
+
+
+def get_model(project: Project, model_id: str) -> Model:
+    """The project's model or a public one; anything else is 'does not exist in this project'."""
+    found = Model.objects.filter(Q(project=project) | Q(project__isnull=True), pk=model_id).first()
+    if found is None:
+        raise NotFound(f"model {model_id} does not exist in this project", code="model_not_found")
+    return found
+
+
+def get_revision(model: Model, revision_id: str) -> Revision:
+    found = model.revisions.filter(pk=revision_id).first()
+    if found is None:
+        raise NotFound(f"revision {revision_id} of model {model.id} does not exist", code="revision_not_found")
+    return found
+
+
+class Revision(models.Model):
+    """An immutable directory of files; its sha256 covers every file's path and content."""
+
+    id = models.CharField(primary_key=True, max_length=40, default=ids.revision_id, editable=False)
+    model = models.ForeignKey(Model, on_delete=models.CASCADE, related_name="revisions")
+    number = models.PositiveIntegerField()
+    path = models.CharField(max_length=500, help_text="Relative to FP4PREP_ARTIFACT_ROOT")
+    size_bytes = models.BigIntegerField()
+    sha256 = models.CharField(max_length=64)
+    files = models.JSONField(default=list)  # [{"path", "size", "sha256"}]
+    metadata = models.JSONField(default=dict, blank=True)
+    job_id = models.CharField(max_length=40, blank=True)
+    created_at = models.DateTimeField(default=timezone.now)
+
+    class Meta:
+        ordering = ["model", "-number"]
+        constraints = [models.UniqueConstraint(fields=["model", "number"], name="revision_number_unique")]
+
+    def __str__(self) -> str:
+        return f"{self.model_id} #{self.number} ({self.id})"
+
+    @property
+    def directory(self) -> Path:
+        return settings.ARTIFACT_ROOT / self.path

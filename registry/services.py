@@ -1,0 +1,69 @@
+"""Verbs on the registry that span models: projects with their first key, adapter registration."""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+from decimal import Decimal
+from pathlib import Path
+from typing import Any
+
+from django.conf import settings
+from django.db import transaction
+
+from fp4prep.errors import InvalidInput
+
+from . import archives
+from .artifacts import store_revision
+from .models import ApiKey, Model, Project, Revision, SupportedBase, get_model
+
+
+def create_project(name: str, credit: Decimal = Decimal(0), user: Any = None) -> tuple[Project, str]:
+    """A project, its opening credit as a ledger grant, and its first API key (returned raw, once)."""
+    with transaction.atomic():
+        project = Project.objects.create(name=name)
+        if user is not None:
+            project.members.add(user)
+        if credit:
+            project.add_credit(credit, "opening credit", user, kind="grant")
+        _, raw = ApiKey.issue(project, "default")
+    return project, raw
+
+
+def register_adapter(
+    project: Project, archive: Path, *, base_model: str, name: str = "", model_id: str | None = None
+) -> tuple[Model, Revision]:
+    """Check and unpack a PEFT adapter archive, then register it as a new adapter or a new revision."""
+    base_model = base_model.strip()
+    if not base_model:
+        raise InvalidInput("base_model is required: the adapter base ID the adapter was trained on")
+    model = None
+    if model_id:
+        model = get_model(project, model_id)
+        if model.kind != Model.Kind.ADAPTER or model.project_id != project.id:
+            raise InvalidInput(f"model {model_id} is not an adapter", code="not_an_adapter")
+        if model.base_model != base_model:
+            raise InvalidInput(
+                f"model {model_id} records base {model.base_model}; a new revision must be trained on the same base, not {base_model}"
+            )
+    root = settings.ARTIFACT_ROOT / "incoming"
+    root.mkdir(parents=True, exist_ok=True)
+    unpacked = Path(tempfile.mkdtemp(prefix="adapter-", dir=root))
+    try:
+        adapter_dir = archives.extract(
+            archive, unpacked, max_bytes=settings.ADAPTER_MAX_BYTES, max_files=settings.ADAPTER_MAX_FILES
+        )
+        archives.flatten(adapter_dir, unpacked)
+        with transaction.atomic():  # a new adapter exists only with its first revision
+            if model is None:
+                model = Model.objects.create(
+                    project=project,
+                    kind=Model.Kind.ADAPTER,
+                    name=name.strip() or f"adapter on {base_model}",
+                    base_model=base_model,
+                    supported_base=SupportedBase.for_base_id(base_model),
+                )
+            revision = store_revision(model, unpacked, metadata={"source": "upload"})
+    finally:
+        shutil.rmtree(unpacked, ignore_errors=True)
+    return model, revision
