@@ -32,7 +32,7 @@ logger = logging.getLogger(__name__)
 VERSION = "demo-v1"
 BASE_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-from fp4prep.pipeline.run import EVAL_FILE  # noqa: E402 - prompts with expected answers
+from fp4prep.pipeline.config import EVAL_FILE  # noqa: E402 - prompts with expected answers
 
 SUBJECTS = [
     "The movie",

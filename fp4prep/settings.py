@@ -111,7 +111,7 @@ BROKER_URL = env_str("FP4PREP_BROKER_URL")  # empty: django-q2's ORM broker in D
 QUEUE_PREFIX = env_str("FP4PREP_QUEUE_PREFIX", "fp4prep")
 
 Q_CLUSTER: dict[str, object] = {
-    "name": QUEUE_PREFIX,
+    "name": "fp4prep",  # the signing salt of queued tasks: the same for every queue
     # One queue per worker kind: GPU workers take only GPU jobs. Enqueueing names the job's queue.
     "cluster_name": f"{QUEUE_PREFIX}-{WORKER_KIND}",
     "workers": WORKER_SLOTS,

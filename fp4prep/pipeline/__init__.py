@@ -14,7 +14,7 @@ if TYPE_CHECKING:
     from .errors import Cancelled, PipelineError, UserError
     from .progress import STAGES
     from .recipes import RECIPES, Thresholds
-    from .run import run
+    from .runner import run
 
 _WHERE = {
     "CorpusStats": "config",
@@ -28,7 +28,7 @@ _WHERE = {
     "STAGES": "progress",
     "RECIPES": "recipes",
     "Thresholds": "recipes",
-    "run": "run",
+    "run": "runner",
 }
 
 __all__ = [
@@ -50,4 +50,8 @@ __all__ = [
 def __getattr__(name: str) -> Any:
     if name not in _WHERE:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    return getattr(importlib.import_module(f".{_WHERE[name]}", __name__), name)
+    value = getattr(importlib.import_module(f".{_WHERE[name]}", __name__), name)
+    # Importing the submodule ``run`` binds the module to this name; the function must win, as it
+    # did with an eager ``from .runner import run``.
+    globals()[name] = value
+    return value

@@ -4,10 +4,15 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .progress import CancelCheck, ProgressCallback
-from .recipes import Thresholds
+
+if TYPE_CHECKING:
+    from .recipes import Thresholds
+
+# Beside the adapter: JSONL of {"messages", "expected"}, the adapter's own task.
+EVAL_FILE = "fp4prep_eval.jsonl"
 
 
 @dataclass

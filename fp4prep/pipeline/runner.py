@@ -22,14 +22,13 @@ from . import export as export_mod
 from . import merge as merge_mod
 from . import quantize, reader, validate
 from .checkpoint import TensorSource, build_model, directory_bytes, read_config
-from .config import PipelineConfig, PipelineResult, TaskReport
+from .config import EVAL_FILE, PipelineConfig, PipelineResult, TaskReport
 from .errors import Cancelled, PipelineError, UserError
 from .progress import Progress
 from .recipes import get_recipe
 
 logger = logging.getLogger(__name__)
 RELOAD_CHECK_TOKENS = 128
-EVAL_FILE = "fp4prep_eval.jsonl"
 
 
 def run(config: PipelineConfig) -> PipelineResult:
