@@ -140,6 +140,7 @@ REST_FRAMEWORK = {
     "DEFAULT_PARSER_CLASSES": [
         "rest_framework.parsers.JSONParser",
         "rest_framework.parsers.MultiPartParser",
+        "rest_framework.parsers.FormParser",
     ],
     "DEFAULT_PAGINATION_CLASS": "fp4prep.api.Pagination",
     "PAGE_SIZE": 20,
