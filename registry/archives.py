@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import json
+import lzma
 import shutil
 import stat
 import tarfile
 import zipfile
+import zlib
 from pathlib import Path, PurePosixPath
 
 from fp4prep.errors import InvalidInput, TooLarge
@@ -28,6 +30,14 @@ def extract(archive: Path, target: Path, *, max_bytes: int, max_files: int) -> P
     Refused before anything is written: absolute or '..' paths, links, devices, more than
     ``max_files`` members, more than ``max_bytes`` uncompressed. Then the PEFT files must be there.
     """
+    try:
+        _unpack(archive, target, max_bytes, max_files)
+    except (tarfile.TarError, zipfile.BadZipFile, EOFError, zlib.error, lzma.LZMAError, OSError) as exc:
+        raise InvalidInput(f"archive is truncated or corrupt: {exc}", code="invalid_archive") from None
+    return _adapter_dir(target)
+
+
+def _unpack(archive: Path, target: Path, max_bytes: int, max_files: int) -> None:
     members: list[tuple[PurePosixPath, int]] = []
     if tarfile.is_tarfile(archive):
         with tarfile.open(archive) as tar:
@@ -70,7 +80,6 @@ def extract(archive: Path, target: Path, *, max_bytes: int, max_files: int) -> P
                         dst.write(chunk)
     else:
         raise InvalidInput("file is not a .tar.gz, .tar or .zip archive", code="invalid_archive")
-    return _adapter_dir(target)
 
 
 def _check_totals(members: list[tuple[PurePosixPath, int]], max_bytes: int, max_files: int) -> None:
