@@ -111,5 +111,7 @@ class JobEvents(APIView):
 class JobCancel(APIView):
     @extend_schema(request=None, responses=JobSerializer, summary="Request cancellation")
     def post(self, request: Request, job_id: str) -> Response:
+        # The job as the request left it (cancel_requested); a job no worker had yet may be settled
+        # as cancelled by the time this returns, which the next read shows.
         job = services.request_cancel(project_of(request), job_id)
-        return Response(JobSerializer(JOBS.get(pk=job.pk)).data)
+        return Response(JobSerializer(job).data)

@@ -230,11 +230,15 @@ class WorkerProcess:
 
     def stop(self) -> None:
         if self.process.poll() is None:
-            os.killpg(self.process.pid, signal.SIGTERM)
+            self.process.send_signal(signal.SIGTERM)  # the cluster stops its own processes
             try:
                 self.process.wait(30)
             except subprocess.TimeoutExpired:
-                self.kill()
+                pass
+        try:
+            os.killpg(self.process.pid, signal.SIGKILL)  # anything left behind
+        except ProcessLookupError:
+            pass
 
 
 @pytest.fixture

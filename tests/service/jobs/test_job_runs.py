@@ -9,6 +9,8 @@ from decimal import Decimal
 from pathlib import Path
 from typing import Any
 
+from registry.models import Model
+
 from ..conftest import People, error_of
 
 
@@ -71,3 +73,178 @@ def test_a_job_runs_to_completed_and_its_revision_downloads_and_loads(
         404, "job_not_found", f"Shaping job {job['id']} not found"
     )
     assert Decimal(str(done["estimate"]["price_usd"])) == Decimal("0.10")
+
+
+def wait_for(predicate: Any, timeout: float = 120, what: str = "condition") -> Any:
+    import time
+
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.1)
+
+
+def test_jobs_wait_for_a_free_slot_and_a_repeat_job_adds_a_revision_to_the_same_model(
+    people: People, adapter: dict[str, Any], start_worker: Any
+) -> None:
+    alice = people.alice
+    first = alice.create(adapter_object_id=adapter["id"]).json()
+    second = alice.create(adapter_object_id=adapter["id"]).json()
+    start_worker("cpu")  # one slot
+    wait_for(lambda: alice.job(first["id"])["status"] == "running", what="first job running")
+    assert alice.job(second["id"])["status"] == "pending"  # no free slot yet
+    one, two = alice.wait(first["id"]), alice.wait(second["id"])
+    assert one["status"] == two["status"] == "completed", alice.events(second["id"])
+    assert one["results"]["api_model_object_id"] == two["results"]["api_model_object_id"]
+    assert one["results"]["api_model_revision_id"] != two["results"]["api_model_revision_id"]
+    revisions = alice.get(f"/v1/models/{one['results']['api_model_object_id']}/revisions").json()["data"]
+    assert [r["id"] for r in revisions] == [two["results"]["api_model_revision_id"], one["results"]["api_model_revision_id"]]
+    credit = alice.get("/v1/whoami").json()
+    assert (credit["balance_usd"], credit["held_usd"]) == (9.8, 0.0)
+
+    from jobs.tasks import prepare
+
+    events_before = alice.events(first["id"])
+    assert prepare(first["id"]) == "not claimed"  # the same task delivered again runs nothing
+    assert alice.events(first["id"]) == events_before
+
+
+def test_cancelling_a_pending_job_ends_it_and_releases_its_hold(people: People, adapter: dict[str, Any]) -> None:
+    alice = people.alice
+    job = alice.create(adapter_object_id=adapter["id"]).json()
+    response = alice.cancel(job["id"])
+    assert response.status_code == 200 and response.json()["status"] == "cancel_requested"
+    done = alice.wait(job["id"], timeout=10)
+    assert done["status"] == "cancelled"
+    assert statuses(alice.events(job["id"])) == ["pending", "cancel_requested", "cancelled"]
+    assert alice.get("/v1/whoami").json()["available_usd"] == 10.0
+    assert error_of(alice.cancel(job["id"])) == (
+        409, "job_not_cancellable", f"Shaping job {job['id']} is not cancellable: it has already ended (cancelled)"
+    )
+
+
+def test_cancelling_a_queued_job_ends_it_before_any_worker_runs_it(
+    people: People, adapter: dict[str, Any], start_worker: Any
+) -> None:
+    from django.utils import timezone
+
+    from jobs import services
+    from jobs.models import Worker
+
+    alice = people.alice
+    # A worker announced one free slot; its cluster hasn't taken the task from the queue yet.
+    Worker.objects.create(name="announced", kind="cpu", slots=1, last_seen=timezone.now())
+    job = alice.create(adapter_object_id=adapter["id"]).json()
+    assert alice.job(job["id"])["status"] == "queued"
+    assert alice.cancel(job["id"]).json()["status"] == "cancel_requested"
+    assert alice.wait(job["id"], timeout=10)["status"] == "cancelled"
+    Worker.objects.filter(name="announced").delete()
+    start_worker("cpu")  # the real cluster now receives the queued task: its claim fails, nothing runs
+    wait_for(lambda: services.Job.objects.filter(pk=job["id"]).exists(), what="job row")
+    from django_q.models import Success
+
+    wait_for(lambda: Success.objects.filter(name=f"prepare {job['id']}").exists(), what="the stale task to be consumed")
+    assert Success.objects.get(name=f"prepare {job['id']}").result == "not claimed"
+    assert statuses(alice.events(job["id"])) == ["pending", "queued", "cancel_requested", "cancelled"]
+
+
+def test_cancelling_a_running_job_stops_the_run_at_its_next_check(
+    people: People, adapter: dict[str, Any], start_worker: Any
+) -> None:
+    alice = people.alice
+    job = alice.create(adapter_object_id=adapter["id"]).json()
+    start_worker("cpu")
+    wait_for(lambda: alice.job(job["id"])["stage"] in ("merging", "calibrating"), what="a stage to start")
+    assert alice.cancel(job["id"]).json()["status"] == "cancel_requested"
+    done = alice.wait(job["id"])
+    events = alice.events(job["id"])
+    assert done["status"] == "cancelled", [(e["type"], e["message"]) for e in events]
+    assert statuses(events)[-2:] == ["cancel_requested", "cancelled"]
+    assert events[-1]["message"].startswith("Job cancelled during")
+    assert done["results"] is None and not Model.objects.filter(kind="prepared").exists()
+    assert alice.get("/v1/whoami").json()["available_usd"] == 10.0
+
+
+def test_a_job_whose_worker_dies_ends_error_with_its_hold_released(
+    people: People, adapter: dict[str, Any], start_worker: Any
+) -> None:
+    from django.conf import settings
+
+    alice = people.alice
+    job = alice.create(adapter_object_id=adapter["id"]).json()
+    doomed = start_worker("cpu", name="doomed")
+    wait_for(lambda: alice.job(job["id"])["status"] == "running", what="the job to run")
+    doomed.kill()
+    start_worker("gpu", name="survivor")  # any live worker's heartbeat runs the reaper
+    done = alice.wait(job["id"], timeout=60)
+    events = alice.events(job["id"])
+    assert done["status"] == "error"
+    assert events[-1]["type"] == "SHAPING_ERROR" and "stopped sending heartbeats" in events[-1]["message"]
+    assert "doomed" in events[-1]["message"] and "Retrying may help" in events[-1]["message"]
+    credit = alice.get("/v1/whoami").json()
+    assert (credit["balance_usd"], credit["held_usd"]) == (10.0, 0.0)
+    assert not Model.objects.filter(kind="prepared").exists()
+    assert not (settings.ARTIFACT_ROOT / "work" / job["id"]).exists()
+
+
+def test_a_cancellation_can_be_requested_once_and_a_dead_workers_job_then_ends_cancelled(
+    people: People, adapter: dict[str, Any], start_worker: Any
+) -> None:
+    alice = people.alice
+    job = alice.create(adapter_object_id=adapter["id"]).json()
+    doomed = start_worker("cpu", name="doomed")
+    wait_for(lambda: alice.job(job["id"])["status"] == "running", what="the job to run")
+    doomed.kill()
+    assert alice.cancel(job["id"]).json()["status"] == "cancel_requested"
+    assert error_of(alice.cancel(job["id"])) == (
+        409, "job_not_cancellable",
+        f"Shaping job {job['id']} is not cancellable: its cancellation was already requested; it stops at the worker's next check",
+    )
+    start_worker("gpu", name="survivor")
+    assert alice.wait(job["id"], timeout=60)["status"] == "cancelled"
+    assert "its worker" in alice.events(job["id"])[-1]["message"]
+    assert alice.get("/v1/whoami").json()["available_usd"] == 10.0
+
+
+def test_a_calibration_file_with_too_few_tokens_ends_user_error(
+    people: People, adapter: dict[str, Any], start_worker: Any
+) -> None:
+    alice = people.alice
+    small = alice.upload_file(
+        b'{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}\n' * 3
+    ).json()
+    assert small["status"] == "processed"  # estimate doesn't count tokens
+    job = alice.create(adapter_object_id=adapter["id"], calibration_file_id=small["id"]).json()
+    start_worker("cpu")
+    done = alice.wait(job["id"])
+    events = alice.events(job["id"])
+    assert done["status"] == "user_error"
+    assert events[-1]["type"] == "SHAPING_USER_ERROR" and "at least 256 are needed" in events[-1]["message"]
+    assert alice.get("/v1/whoami").json()["held_usd"] == 0
+
+
+def test_a_gpu_job_on_a_worker_without_the_weights_ends_error(
+    people: People, shipped_catalogue: None, tiny_adapter_archive: bytes, start_worker: Any
+) -> None:
+    from registry.models import Project
+
+    alice = people.alice
+    Project.objects.get(pk=people.project_a.pk).add_credit(Decimal(50), "top-up")
+    adapter = alice.register_adapter(tiny_adapter_archive, base_model="zai-org/GLM-5.3-FP8").json()
+    job = alice.create(adapter_object_id=adapter["id"]).json()
+    start_worker("cpu")  # the wrong kind: the job stays pending
+    import time
+
+    time.sleep(2)
+    assert alice.job(job["id"])["status"] == "pending"
+    start_worker("gpu")
+    done = alice.wait(job["id"])
+    events = alice.events(job["id"])
+    assert done["status"] == "error"
+    assert events[-1]["type"] == "SHAPING_ERROR"
+    assert events[-1]["message"].startswith("This worker has no BF16 weights for GLM-5.3")
+    assert alice.get("/v1/whoami").json()["held_usd"] == 0
