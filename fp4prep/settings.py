@@ -154,6 +154,10 @@ SPECTACULAR_SETTINGS = {
     "VERSION": "1",
     "SERVE_INCLUDE_SCHEMA": False,
     "COMPONENT_SPLIT_REQUEST": True,
+    "ENUM_NAME_OVERRIDES": {
+        "JobStatusEnum": "jobs.models.Job.Status",
+        "FileStatusEnum": "jobs.models.CalibrationFile.Status",
+    },
 }
 
 # --- Web -------------------------------------------------------------------------------------------

@@ -14,7 +14,7 @@ def check_settings(app_configs: Any = None, **kwargs: Any) -> list[Any]:
     problems: list[Any] = []
     root = settings.ARTIFACT_ROOT
     existing = next((p for p in [root, *root.parents] if p.exists()), None)
-    if existing is None or not os.access(existing, os.W_OK):
+    if existing is None or not existing.is_dir() or not os.access(existing, os.W_OK):
         problems.append(
             Error(f"FP4PREP_ARTIFACT_ROOT {root} can't be created or written", id="fp4prep.E001",
                   hint="Point FP4PREP_ARTIFACT_ROOT at a writable directory every web process and worker mounts.")

@@ -5,3 +5,6 @@ class RegistryConfig(AppConfig):
     name = "registry"
     verbose_name = "Registry"
     default_auto_field = "django.db.models.BigAutoField"
+
+    def ready(self) -> None:
+        from . import schema  # noqa: F401 - registers the OpenAPI authentication extension

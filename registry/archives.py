@@ -41,8 +41,8 @@ def _unpack(archive: Path, target: Path, max_bytes: int, max_files: int) -> None
     members: list[tuple[PurePosixPath, int]] = []
     if tarfile.is_tarfile(archive):
         with tarfile.open(archive) as tar:
-            infos = tar.getmembers()
-            for info in infos:
+            tar_infos = tar.getmembers()
+            for info in tar_infos:
                 path = _check_name(info.name)
                 if info.issym() or info.islnk():
                     raise InvalidInput(f"archive member {info.name!r} is a link; links are not accepted", code="invalid_archive")
@@ -52,11 +52,11 @@ def _unpack(archive: Path, target: Path, max_bytes: int, max_files: int) -> None
                     members.append((path, info.size))
             _check_totals(members, max_bytes, max_files)
             target.mkdir(parents=True, exist_ok=True)
-            tar.extractall(target, members=[i for i in infos if i.isfile() or i.isdir()], filter="data")
+            tar.extractall(target, members=[i for i in tar_infos if i.isfile() or i.isdir()], filter="data")
     elif zipfile.is_zipfile(archive):
         with zipfile.ZipFile(archive) as zf:
-            infos = zf.infolist()
-            for zinfo in infos:
+            zip_infos = zf.infolist()
+            for zinfo in zip_infos:
                 path = _check_name(zinfo.filename)
                 mode = zinfo.external_attr >> 16
                 if stat.S_ISLNK(mode):
@@ -65,7 +65,7 @@ def _unpack(archive: Path, target: Path, max_bytes: int, max_files: int) -> None
                     members.append((path, zinfo.file_size))
             _check_totals(members, max_bytes, max_files)
             target.mkdir(parents=True, exist_ok=True)
-            for zinfo in infos:
+            for zinfo in zip_infos:
                 if zinfo.is_dir():
                     continue
                 out = target / zinfo.filename

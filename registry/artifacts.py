@@ -27,7 +27,7 @@ def file_sha256(path: Path) -> str:
 
 def manifest(directory: Path) -> tuple[list[dict[str, Any]], int, str]:
     """Every regular file with its size and sha256, and one sha256 over the whole list."""
-    files = []
+    files: list[dict[str, Any]] = []
     for path in sorted(p for p in directory.rglob("*") if p.is_file()):
         files.append(
             {"path": path.relative_to(directory).as_posix(), "size": path.stat().st_size, "sha256": file_sha256(path)}

@@ -8,7 +8,7 @@ from typing import Any
 
 from fp4prep import ids
 
-CATALOGUE = [
+CATALOGUE: list[dict[str, Any]] = [
     {
         "slug": "glm-5.3",
         "family": "GLM-5.3",
@@ -57,7 +57,7 @@ CATALOGUE = [
     },
 ]
 
-BASES = [
+BASES: list[tuple[str, str]] = [
     ("zai-org/GLM-5.3-FP8", "glm-5.3"),
     ("zai-org/GLM-5.3-NVFP4", "glm-5.3"),
     ("moonshotai/Kimi-K3", "kimi-k3"),

@@ -6,6 +6,7 @@ project C. Every test that reads an object checks that charlie can't.
 
 from __future__ import annotations
 
+import contextlib
 import io
 import os
 import signal
@@ -231,14 +232,10 @@ class WorkerProcess:
     def stop(self) -> None:
         if self.process.poll() is None:
             self.process.send_signal(signal.SIGTERM)  # the cluster stops its own processes
-            try:
+            with contextlib.suppress(subprocess.TimeoutExpired):
                 self.process.wait(30)
-            except subprocess.TimeoutExpired:
-                pass
-        try:
+        with contextlib.suppress(ProcessLookupError):
             os.killpg(self.process.pid, signal.SIGKILL)  # anything left behind
-        except ProcessLookupError:
-            pass
 
 
 @pytest.fixture

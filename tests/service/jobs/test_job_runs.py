@@ -58,9 +58,9 @@ def test_a_job_runs_to_completed_and_its_revision_downloads_and_loads(
     lineage = json.loads((out / "fp4prep.json").read_text())
     assert lineage["job"] == job["id"] and lineage["adapter"].startswith(adapter["id"])
 
-    from fp4prep.pipeline import reader
-
     import torch
+
+    from fp4prep.pipeline import reader
 
     model = reader.load(out)  # our independent reader dequantizes the downloaded files
     logits = model(torch.tensor([[1, 2, 3, 4]])).logits
