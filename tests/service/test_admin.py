@@ -1,0 +1,93 @@
+"""The admin console as support staff use it: the support group, job actions, credit, blocking."""
+
+from __future__ import annotations
+
+from decimal import Decimal
+from typing import Any
+
+import pytest
+from django.contrib.auth.models import Group, User
+from django.test import Client
+from django.urls import reverse
+
+from jobs import services
+from jobs.models import Job
+from registry.models import CreditTransaction, Model, Project, Revision
+from registry.services import create_project
+
+
+@pytest.fixture
+def support(transactional_db: Any) -> Client:
+    from registry.support import ensure_support_group
+
+    ensure_support_group()  # live-server tests flush tables; the migration's post_migrate made it first
+    user = User.objects.create_user("sam", password="pw", is_staff=True)
+    user.groups.add(Group.objects.get(name="support"))
+    client = Client()
+    client.force_login(user)
+    return client
+
+
+@pytest.fixture
+def job(transactional_db: Any, catalogue: Any) -> Job:
+    project, _ = create_project("Acme", Decimal(5))
+    adapter = Model.objects.create(project=project, kind="adapter", name="bot", base_model="tests/tiny-llama", supported_base=catalogue)
+    Revision.objects.create(model=adapter, number=1, path="x", size_bytes=1, sha256="0" * 64)
+    return services.create_job(project, {"adapter_object_id": adapter.id})
+
+
+def action(client: Client, model: str, name: str, pk: str) -> Any:
+    return client.post(reverse(f"admin:{model}_changelist"), {"action": name, "index": 0, "_selected_action": [pk]}, follow=True)
+
+
+def test_support_sees_jobs_with_filters_and_events_inline(support: Client, job: Job) -> None:
+    page = support.get(reverse("admin:jobs_job_changelist"), {"status__exact": "pending"})
+    assert page.status_code == 200 and job.id in page.content.decode()
+    assert job.id not in support.get(reverse("admin:jobs_job_changelist"), {"status__exact": "running"}).content.decode()
+    detail = support.get(reverse("admin:jobs_job_change", args=[job.id])).content.decode()
+    assert "Job created; waiting for a CPU worker slot" in detail
+
+
+def test_support_cancels_and_requeues_a_job(support: Client, job: Job) -> None:
+    response = action(support, "jobs_job", "cancel", job.id)
+    assert f"Job {job.id}: cancellation requested." in response.content.decode()
+    job.refresh_from_db()
+    assert job.status == "cancelled"  # nothing had started it
+    response = action(support, "jobs_job", "requeue", job.id)
+    new = Job.objects.exclude(pk=job.pk).get()
+    assert f"Job {job.id}: requeued as {new.id}." in response.content.decode()
+    assert new.status == "pending" and new.adapter_revision_id == job.adapter_revision_id
+    assert new.project.credit().held == Decimal("0.10")
+    assert "is not cancellable" in action(support, "jobs_job", "cancel", job.id).content.decode()
+
+
+def test_support_adjusts_credit_through_the_ledger_with_a_reason(support: Client, job: Job) -> None:
+    project = job.project
+    url = reverse("admin:registry_credittransaction_add")
+    refused = support.post(url, {"project": project.id, "kind": "adjustment", "amount": "-2.00", "note": ""})
+    assert "Say why" in refused.content.decode()
+    support.post(url, {"project": project.id, "kind": "adjustment", "amount": "-2.00", "note": "refund reversed"})
+    entry = CreditTransaction.objects.get(kind="adjustment")
+    assert entry.created_by.username == "sam" and entry.amount == Decimal("-2.00")
+    assert project.credit().balance == Decimal("3.00")
+    change = support.post(reverse("admin:registry_credittransaction_change", args=[entry.pk]), {"amount": "100"})
+    assert change.status_code == 403 or CreditTransaction.objects.get(pk=entry.pk).amount == Decimal("-2.00")
+
+
+def test_support_blocks_and_unblocks_a_project(support: Client, job: Job) -> None:
+    action(support, "registry_project", "block", job.project_id)
+    project = Project.objects.get(pk=job.project_id)
+    assert project.blocked and "sam" in project.blocked_reason
+    with pytest.raises(services.Forbidden):
+        services.create_job(project, {"adapter_object_id": job.adapter_id})
+    action(support, "registry_project", "unblock", job.project_id)
+    assert not Project.objects.get(pk=job.project_id).blocked
+
+
+def test_the_support_group_has_just_its_permissions(support: Client, job: Job) -> None:
+    user = User.objects.get(username="sam")
+    assert user.has_perm("jobs.change_job") and user.has_perm("registry.add_credittransaction")
+    assert not user.has_perm("jobs.delete_job") and not user.has_perm("registry.change_supportedbase")
+    assert not user.has_perm("registry.delete_project") and not user.has_perm("auth.change_user")
+    assert support.get(reverse("admin:registry_supportedbase_change", args=["tiny-llama"])).status_code == 200  # view only
+    assert support.get(reverse("admin:auth_user_changelist")).status_code == 403
