@@ -83,6 +83,7 @@ if _db["ENGINE"] == "django.db.backends.sqlite3":
         "transaction_mode": "IMMEDIATE",
         "init_command": "PRAGMA journal_mode=WAL; PRAGMA synchronous=NORMAL;",
     }
+    Path(_db["NAME"]).parent.mkdir(parents=True, exist_ok=True)
     # A file, not memory: the test worker is another process and must see the same database.
     _db["TEST"] = {"NAME": str(Path(_db["NAME"]).with_name("test-" + Path(_db["NAME"]).name))}
 DATABASES = {"default": _db}

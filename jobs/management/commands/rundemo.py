@@ -1,0 +1,174 @@
+"""``manage.py rundemo``: the embedded default end to end, as a user would drive it.
+
+Migrates, builds the demo (SmolLM2-135M-Instruct, a trained LoRA, a calibration file), starts the
+web server and one CPU worker, then through the REST API registers the adapter, uploads the
+calibration file, estimates, creates a job and follows it to the end. Then it keeps serving.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import secrets
+import subprocess
+import sys
+import tarfile
+import time
+from decimal import Decimal
+from pathlib import Path
+from typing import Any
+
+import requests
+from django.conf import settings
+from django.contrib.auth import get_user_model
+from django.core.management import call_command
+from django.core.management.base import BaseCommand, CommandError, CommandParser
+
+from registry.models import ApiKey, Project
+from registry.services import create_project
+
+DEMO_PROJECT = "Demo project"
+TERMINAL = {"completed", "cancelled", "error", "user_error"}
+
+
+class Command(BaseCommand):
+    help = "Set up the embedded default, run one demo job through the API and a real worker, and serve."
+
+    def add_arguments(self, parser: CommandParser) -> None:
+        parser.add_argument("--port", type=int, default=8000)
+        parser.add_argument("--no-serve", action="store_true", help="stop after the job instead of serving")
+
+    def handle(self, *args: Any, **options: Any) -> None:
+        from fp4prep import demo
+
+        call_command("migrate", verbosity=0)
+        self.say("Building the demo assets (cached after the first run)...")
+        assets = demo.build()
+        key = self._project_key()
+        admin_note = self._admin_user()
+        url = f"http://127.0.0.1:{options['port']}"
+        manage = [sys.executable, str(settings.BASE_DIR / "manage.py")]
+        log_dir = settings.VAR_DIR / "log"
+        log_dir.mkdir(parents=True, exist_ok=True)
+        server = subprocess.Popen(
+            [*manage, "runserver", f"127.0.0.1:{options['port']}", "--noreload"],
+            stdout=(log_dir / "server.log").open("w"), stderr=subprocess.STDOUT,
+        )
+        worker = subprocess.Popen(
+            [*manage, "runworker"], stdout=(log_dir / "worker.log").open("w"), stderr=subprocess.STDOUT,
+            env={**os.environ, "FP4PREP_WORKER_KIND": "cpu"},
+        )
+        try:
+            self._wait_for_server(url, server)
+            status = self._run_job(url, key, assets)
+            if options["no_serve"]:
+                if status != "completed":
+                    raise CommandError(f"the demo job ended {status}; see {log_dir / 'worker.log'}")
+                return
+            self.say(
+                f"\nServing fp4prep at {url}  (Ctrl-C stops the server and the worker)\n"
+                f"  API        {url}/v1/   with  Authorization: Bearer {key}\n"
+                f"  OpenAPI    {url}/v1/schema\n"
+                f"  Admin      {url}/admin/   {admin_note}\n"
+                f"  Logs       {log_dir}/server.log, worker.log"
+            )
+            server.wait()
+        except KeyboardInterrupt:
+            self.say("\nStopping.")
+        finally:
+            for process in (worker, server):
+                process.terminate()
+            for process in (worker, server):
+                try:
+                    process.wait(30)
+                except subprocess.TimeoutExpired:
+                    process.kill()
+
+    def say(self, text: str) -> None:
+        self.stdout.write(text)
+        self.stdout.flush()
+
+    def _project_key(self) -> str:
+        project = Project.objects.filter(name=DEMO_PROJECT).first()
+        if project is None:
+            project, key = create_project(DEMO_PROJECT, Decimal(10))
+            self.say(f"Created {project.id} ({DEMO_PROJECT}) with $10.00 of credit.")
+            return key
+        _, key = ApiKey.issue(project, "rundemo")
+        return key
+
+    def _admin_user(self) -> str:
+        users = get_user_model().objects
+        if users.filter(username="admin").exists():
+            return "(user admin, password as printed on the first run)"
+        password = secrets.token_urlsafe(12)
+        users.create_superuser("admin", password=password)
+        return f"user admin, password {password}"
+
+    def _wait_for_server(self, url: str, server: subprocess.Popen[bytes]) -> None:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            if server.poll() is not None:
+                raise CommandError(f"the web server exited; see {settings.VAR_DIR / 'log' / 'server.log'}")
+            try:
+                requests.get(f"{url}/v1/schema", timeout=2)
+                return
+            except requests.ConnectionError:
+                time.sleep(0.3)
+        raise CommandError("the web server did not start within 60 s")
+
+    def _run_job(self, url: str, key: str, assets: Any) -> str:
+        api = requests.Session()
+        api.headers["Authorization"] = f"Bearer {key}"
+
+        def check(response: requests.Response) -> Any:
+            if response.status_code >= 400:
+                raise CommandError(f"{response.request.method} {response.url}: {response.status_code} {response.text}")
+            return response.json()
+
+        from fp4prep.demo import BASE_ID
+
+        model = check(api.post(f"{url}/v1/models", files={"file": ("adapter.tar.gz", _tar_gz(assets.adapter_dir))},
+                               data={"base_model": BASE_ID, "name": "demo sentiment adapter"}))
+        self.say(f"Registered adapter {model['id']} revision {model['latest_revision']['id']}")
+        with Path(assets.calibration_file).open("rb") as f:
+            upload = check(api.post(f"{url}/v1/files", files={"file": ("calibration.jsonl", f)}, data={"purpose": "calibration"}))
+        self.say(f"Uploaded calibration file {upload['id']}: {upload['status']}, {upload['report']['conversations']} conversations")
+        inputs = {"adapter_object_id": model["id"], "calibration_file_id": upload["id"]}
+        estimate = check(api.post(f"{url}/v1/post-training/prepare-for-fp4-inference/estimate", json={"inputs": inputs}))
+        self.say(
+            f"The estimated price of this job is ${estimate['price_usd']:.2f} and it is expected to run for about "
+            f"{estimate['time_hours']:.2f}h (excluding queue time)."
+        )
+        job = check(api.post(f"{url}/v1/post-training/prepare-for-fp4-inference", json={"inputs": inputs}))
+        self.say(f"Created job {job['id']} ({job['status']})")
+        seen = 0
+        while True:
+            job = check(api.get(f"{url}/v1/post-training/prepare-for-fp4-inference/{job['id']}"))
+            events = check(api.get(f"{url}/v1/post-training/prepare-for-fp4-inference/{job['id']}/events",
+                                   params={"after": seen} if seen else None))["data"]
+            for event in events:
+                self.say(f"  {event['created_at'][11:19]}  {event['type']:<19} {event['message']}")
+                seen = event["id"]
+            if job["status"] in TERMINAL:
+                break
+            time.sleep(1)
+        if job["status"] == "completed":
+            results, report = job["results"], job["report"]
+            parity, task = report["parity"], report.get("task") or {}
+            self.say(
+                f"\nPrepared model {results['api_model_object_id']} revision {results['api_model_revision_id']}\n"
+                f"  identical greedy continuations {parity['identical_greedy']:.2f}, top-1 agreement "
+                f"{parity['top1_agreement']:.3f}, mean KL {parity['mean_kl']:.3f}"
+                + (f"\n  adapter task: {task['bf16_success']:.0%} (BF16 merged) -> {task['quantized_success']:.0%} (NVFP4)" if task else "")
+                + f"\n  download: curl -H 'Authorization: Bearer {key}' -o model.tar "
+                f"{url}/v1/models/{results['api_model_object_id']}/revisions/{results['api_model_revision_id']}/download"
+            )
+        return str(job["status"])
+
+
+def _tar_gz(directory: Path) -> bytes:
+    buffer = io.BytesIO()
+    with tarfile.open(fileobj=buffer, mode="w:gz") as tar:
+        tar.add(directory, arcname="adapter")
+    return buffer.getvalue()
