@@ -355,8 +355,9 @@ def reap_dead_jobs() -> None:
 def resend_stale_queued() -> None:
     """A queued job whose task was lost (a broker that forgets, a worker that died before claiming)
     is sent again; the claim makes a second delivery harmless."""
-    cutoff = timezone.now() - timedelta(seconds=max(settings.HEARTBEAT_TIMEOUT, 60))
+    wait = max(settings.HEARTBEAT_TIMEOUT, 60)
+    cutoff = timezone.now() - timedelta(seconds=wait)
     for job in Job.objects.filter(status=Job.Status.QUEUED, queued_at__lt=cutoff).select_related("supported_base"):
         if Job.objects.filter(pk=job.pk, status=Job.Status.QUEUED, queued_at__lt=cutoff).update(queued_at=timezone.now()):
-            logger.warning("job %s: queued for over %ss without a worker claiming it; sent again", job.id, cutoff)
+            logger.warning("job %s: queued for over %.0fs without a worker claiming it; sent again", job.id, wait)
             transaction.on_commit(lambda job=job: enqueue(job))

@@ -131,8 +131,10 @@ def _run(job: Job) -> str:
                         data={"stage": reporter.stage})
         return "cancelled"
     except UserError as exc:
-        services.finish(job, Job.Status.USER_ERROR, event_type=services.USER_ERROR_EVENT, level="error",
-                        message=str(exc), data={"stage": reporter.stage}, from_statuses=(Job.Status.RUNNING,))
+        ended = services.finish(job, Job.Status.USER_ERROR, event_type=services.USER_ERROR_EVENT, level="error",
+                                message=str(exc), data={"stage": reporter.stage}, from_statuses=(Job.Status.RUNNING,))
+        if not ended:  # cancelled meanwhile: the run stopped, so the cancellation is what happened
+            services.finish(job, Job.Status.CANCELLED, message="Job cancelled", from_statuses=(Job.Status.CANCEL_REQUESTED,))
         return "user_error"
     except (PipelineError, WeightsMissing) as exc:
         _fail(job, str(exc), reporter.stage)

@@ -133,6 +133,11 @@ class ApiKey(models.Model):
         self.save(update_fields=["revoked_at"])
 
 
+# What a catalogue entry may fix for the pipeline (fields of fp4prep.pipeline.PipelineConfig).
+RECIPE_KEYS = {"calibration_tokens", "sequence_length", "holdout_fraction", "parity_prompts", "continuation_tokens", "seed", "thresholds"}
+THRESHOLD_KEYS = {"top1_agreement", "mean_kl", "identical_greedy", "adapter_retention", "reload_max_logit_diff"}
+
+
 class SupportedBase(models.Model):
     """A catalogue entry: which adapters can be prepared and how. Data, edited in the admin."""
 
@@ -140,7 +145,7 @@ class SupportedBase(models.Model):
         GPU = "gpu"
         CPU = "cpu"
 
-    slug = models.SlugField(primary_key=True, max_length=60)
+    slug = models.CharField(primary_key=True, max_length=60, help_text="A short stable key, e.g. glm-5.3")
     family = models.CharField(max_length=100)
     accepted_base_ids = models.JSONField(help_text="Adapter base IDs this entry accepts")
     served_base_id = models.CharField(max_length=200, help_text="The FP4 base the prepared model is registered against")
@@ -165,6 +170,21 @@ class SupportedBase(models.Model):
 
     def price(self) -> Decimal:
         return usd(self.typical_hours * max(self.gpu_count, 1) * self.price_per_gpu_hour)
+
+    def clean(self) -> None:
+        """The recipe holds PipelineConfig numbers and optional thresholds; anything else can't run."""
+        from django.core.exceptions import ValidationError
+
+        if not isinstance(self.recipe, dict):
+            raise ValidationError({"recipe": "must be a JSON object"})
+        unknown = set(self.recipe) - RECIPE_KEYS
+        if unknown:
+            raise ValidationError({"recipe": f"unknown keys {sorted(unknown)}; allowed: {sorted(RECIPE_KEYS)}"})
+        thresholds = self.recipe.get("thresholds")
+        if thresholds is not None and (not isinstance(thresholds, dict) or set(thresholds) != THRESHOLD_KEYS):
+            raise ValidationError({"recipe": f"thresholds must be an object with exactly the keys {sorted(THRESHOLD_KEYS)}"})
+        if not isinstance(self.accepted_base_ids, list) or not all(isinstance(i, str) and i for i in self.accepted_base_ids):
+            raise ValidationError({"accepted_base_ids": "must be a list of base model IDs"})
 
     @classmethod
     def for_base_id(cls, base_id: str) -> SupportedBase | None:

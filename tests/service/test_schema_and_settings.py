@@ -146,3 +146,8 @@ def test_createproject_refuses_a_bad_amount(transactional_db: Any) -> None:
 
     with pytest.raises(CommandError, match="--credit 'lots' is not an amount in USD"):
         call_command("createproject", "Acme", "--credit", "lots")
+
+
+def test_migrations_match_the_models() -> None:
+    result = manage("makemigrations", "--check", "--dry-run")
+    assert result.returncode == 0, result.stdout + result.stderr
