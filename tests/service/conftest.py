@@ -56,7 +56,7 @@ def service_paths(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
         ARTIFACT_ROOT=root,
         WEIGHTS_ROOT=root / "weights",
         QUEUE_PREFIX=f"fp4test-{uuid.uuid4().hex[:8]}",
-        HEARTBEAT_TIMEOUT=3.0,
+        HEARTBEAT_TIMEOUT=6.0,  # roomy: a loaded 2-core CI machine must not look like a dead worker
         HEARTBEAT_INTERVAL=0.5,
     ):
         yield root
