@@ -13,6 +13,7 @@ import shutil
 from dataclasses import dataclass
 from datetime import timedelta
 from decimal import Decimal
+from pathlib import Path
 from typing import Any
 
 from django.conf import settings
@@ -260,8 +261,9 @@ def finish(
     return True
 
 
-def work_dir(job_id: str) -> Any:
-    return settings.ARTIFACT_ROOT / "work" / job_id
+def work_dir(job_id: str) -> Path:
+    """Where a job's pipeline writes until its checkpoint is registered (removed when it ends)."""
+    return Path(settings.ARTIFACT_ROOT) / "work" / job_id
 
 
 def dispatch() -> list[str]:
