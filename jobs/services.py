@@ -245,6 +245,8 @@ def finish(
         if condition is not None:
             query = query.filter(condition)
         fields: dict[str, Any] = {"status": status, "finished_at": timezone.now()}
+        if status == Job.Status.COMPLETED:
+            fields["progress"] = 1.0
         if result is not None:
             fields["result_model"], fields["result_revision"] = result
         if report is not None:

@@ -7,9 +7,11 @@ calibration file, estimates, creates a job and follows it to the end. Then it ke
 
 from __future__ import annotations
 
+import contextlib
 import io
 import os
 import secrets
+import signal
 import subprocess
 import sys
 import tarfile
@@ -57,7 +59,9 @@ class Command(BaseCommand):
         worker = subprocess.Popen(
             [*manage, "runworker"], stdout=(log_dir / "worker.log").open("w"), stderr=subprocess.STDOUT,
             env={**os.environ, "FP4PREP_WORKER_KIND": "cpu"},
+            start_new_session=True,  # its own process group: stopped below, with every process of the cluster
         )
+        signal.signal(signal.SIGTERM, _interrupt)  # a plain kill stops the server and worker too
         try:
             self._wait_for_server(url, server)
             status = self._run_job(url, key, assets)
@@ -78,11 +82,14 @@ class Command(BaseCommand):
         finally:
             for process in (worker, server):
                 process.terminate()
+            # The cluster finishes a running task before it stops; a demo that is told to stop doesn't wait.
             for process in (worker, server):
                 try:
-                    process.wait(30)
+                    process.wait(10)
                 except subprocess.TimeoutExpired:
                     process.kill()
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(worker.pid, signal.SIGKILL)
 
     def say(self, text: str) -> None:
         self.stdout.write(text)
@@ -165,6 +172,10 @@ class Command(BaseCommand):
                 f"{url}/v1/models/{results['api_model_object_id']}/revisions/{results['api_model_revision_id']}/download"
             )
         return str(job["status"])
+
+
+def _interrupt(signum: int, frame: Any) -> None:
+    raise KeyboardInterrupt
 
 
 def _tar_gz(directory: Path) -> bytes:

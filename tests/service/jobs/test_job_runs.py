@@ -40,6 +40,7 @@ def test_a_job_runs_to_completed_and_its_revision_downloads_and_loads(
     assert statuses(events) == ["pending", "queued", "running", "completed"]
     stages = [e["data"]["stage"] for e in events if e["type"] == "JOB_STAGE"]
     assert stages == ["merging", "calibrating", "quantizing", "exporting", "validating", "uploading"]
+    assert (done["stage"], done["progress"]) == ("uploading", 1.0)
     assert done["report"]["parity"]["prompts"] == 3 and done["report"]["corpus"]["user_tokens"] > 0
 
     model_id, revision_id = done["results"]["api_model_object_id"], done["results"]["api_model_revision_id"]
