@@ -168,16 +168,22 @@ def test_cancelling_a_running_job_stops_the_run_at_its_next_check(
     assert alice.get("/v1/whoami").json()["available_usd"] == 10.0
 
 
+def job_on_a_worker_that_dies(people: People, adapter: dict[str, Any], start_worker: Any) -> dict[str, Any]:
+    """A job that a worker named 'doomed' started running when the worker was killed."""
+    job: dict[str, Any] = people.alice.create(adapter_object_id=adapter["id"]).json()
+    doomed = start_worker("cpu", name="doomed")
+    wait_for(lambda: people.alice.job(job["id"])["status"] == "running", what="the job to run")
+    doomed.kill()
+    return job
+
+
 def test_a_job_whose_worker_dies_ends_error_with_its_hold_released(
     people: People, adapter: dict[str, Any], start_worker: Any
 ) -> None:
     from django.conf import settings
 
     alice = people.alice
-    job = alice.create(adapter_object_id=adapter["id"]).json()
-    doomed = start_worker("cpu", name="doomed")
-    wait_for(lambda: alice.job(job["id"])["status"] == "running", what="the job to run")
-    doomed.kill()
+    job = job_on_a_worker_that_dies(people, adapter, start_worker)
     start_worker("gpu", name="survivor")  # any live worker's heartbeat runs the reaper
     done = alice.wait(job["id"], timeout=60)
     events = alice.events(job["id"])
@@ -194,10 +200,7 @@ def test_a_cancellation_can_be_requested_once_and_a_dead_workers_job_then_ends_c
     people: People, adapter: dict[str, Any], start_worker: Any
 ) -> None:
     alice = people.alice
-    job = alice.create(adapter_object_id=adapter["id"]).json()
-    doomed = start_worker("cpu", name="doomed")
-    wait_for(lambda: alice.job(job["id"])["status"] == "running", what="the job to run")
-    doomed.kill()
+    job = job_on_a_worker_that_dies(people, adapter, start_worker)
     assert alice.cancel(job["id"]).json()["status"] == "cancel_requested"
     assert error_of(alice.cancel(job["id"])) == (
         409, "job_not_cancellable",
