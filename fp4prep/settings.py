@@ -99,7 +99,6 @@ CALIBRATION_MAX_BYTES = env_int("FP4PREP_CALIBRATION_MAX_BYTES", 64 * 1024 * 102
 ADAPTER_MAX_BYTES = env_int("FP4PREP_ADAPTER_MAX_BYTES", 8 * 1024**3, minimum=1)
 ADAPTER_MAX_FILES = env_int("FP4PREP_ADAPTER_MAX_FILES", 1000, minimum=1)
 FILE_UPLOAD_MAX_MEMORY_SIZE = 4 * 1024 * 1024
-FILE_UPLOAD_TEMP_DIR = None
 
 # --- Workers (django-q2) ---------------------------------------------------------------------------
 WORKER_KIND = env_choice("FP4PREP_WORKER_KIND", "cpu", ("cpu", "gpu"))

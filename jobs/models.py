@@ -66,8 +66,6 @@ class Job(models.Model):
     # Holding a worker slot: handed to the queue and not yet finished.
     ACTIVE = (Status.QUEUED, Status.RUNNING, Status.CANCEL_REQUESTED)
 
-    STAGES = ("merging", "calibrating", "quantizing", "exporting", "validating", "uploading")
-
     id = models.CharField(primary_key=True, max_length=40, default=ids.job_id, editable=False)
     project = models.ForeignKey(Project, on_delete=models.CASCADE, related_name="jobs")
     adapter = models.ForeignKey(Model, on_delete=models.PROTECT, related_name="jobs")
