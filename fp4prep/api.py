@@ -121,17 +121,27 @@ class SizeLimitHandler(FileUploadHandler):
 MULTIPART_OVERHEAD = 64 * 1024
 
 
-def uploaded_file(request: Any, field: str, limit: int, what: str) -> Any:
-    """The uploaded file in ``field``, read through a size limit; 413 past it, 400 when missing."""
+def limit_uploads(django_request: Any, limit: int) -> SizeLimitHandler:
+    """Read uploads in this request through a size limit; call before anything reads the body."""
+    limiter = SizeLimitHandler(django_request, limit)
+    django_request.upload_handlers = [limiter, TemporaryFileUploadHandler(django_request)]
+    return limiter
+
+
+def uploaded_file(request: Any, field: str, limit: int, what: str, limiter: SizeLimitHandler | None = None) -> Any:
+    """The uploaded file in ``field``, read through a size limit; 413 past it, 400 when missing.
+
+    Pass ``limiter`` when the handlers were installed earlier (a page view checks CSRF, which reads
+    the body, so its handlers go in first).
+    """
     try:
         declared = int(request.META.get("CONTENT_LENGTH") or 0)
     except ValueError:
         declared = 0
     if declared > limit + MULTIPART_OVERHEAD:
         raise TooLarge(f"{what} is larger than the limit of {_size(limit)} (request body of {declared:,} bytes)")
-    django_request = request._request
-    limiter = SizeLimitHandler(django_request, limit)
-    django_request.upload_handlers = [limiter, TemporaryFileUploadHandler(django_request)]
+    if limiter is None:
+        limiter = limit_uploads(getattr(request, "_request", request), limit)  # a DRF request wraps Django's
     upload = request.FILES.get(field)  # parses the body through the handlers
     if limiter.exceeded:
         raise TooLarge(f"{what} is larger than the limit of {_size(limit)}; nothing was stored")

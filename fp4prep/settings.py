@@ -36,12 +36,14 @@ INSTALLED_APPS = [
     "drf_spectacular",
     "django_q",
     "django_htmx",
+    "template_partials",
     "registry",
     "jobs",
 ]
 
 MIDDLEWARE = [
     "django.middleware.security.SecurityMiddleware",
+    "whitenoise.middleware.WhiteNoiseMiddleware",  # the dashboard's CSS and htmx, without a separate web server
     "django.contrib.sessions.middleware.SessionMiddleware",
     "django.middleware.common.CommonMiddleware",
     "django.middleware.csrf.CsrfViewMiddleware",
@@ -60,10 +62,13 @@ TEMPLATES = [
         "DIRS": [BASE_DIR / "templates"],
         "APP_DIRS": True,
         "OPTIONS": {
+            # {% partialdef %} in every template: pages and the parts HTMX swaps live in one file.
+            "builtins": ["template_partials.templatetags.partials"],
             "context_processors": [
                 "django.template.context_processors.request",
                 "django.contrib.auth.context_processors.auth",
                 "django.contrib.messages.context_processors.messages",
+                "fp4prep.web.context",
             ]
         },
     }
@@ -168,7 +173,11 @@ USE_TZ = True
 STATIC_URL = "static/"
 STATICFILES_DIRS = [BASE_DIR / "static"]
 STATIC_ROOT = env_path("FP4PREP_STATIC_ROOT", VAR_DIR / "static")
-LOGIN_URL = "/admin/login/"
+# Served from the finders too, so a fresh checkout works without collectstatic (production runs it).
+WHITENOISE_USE_FINDERS = True
+LOGIN_URL = "login"
+LOGIN_REDIRECT_URL = "home"
+LOGOUT_REDIRECT_URL = "login"
 
 if not DEBUG:
     SECURE_SSL_REDIRECT = env_bool("FP4PREP_SSL_REDIRECT", True)

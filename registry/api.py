@@ -109,11 +109,7 @@ class RevisionDownload(APIView):
     def get(self, request: Request, model_id: str, revision_id: str) -> StreamingHttpResponse:
         model = get_model(project_of(request), model_id)
         revision = get_revision(model, revision_id)
-        response = StreamingHttpResponse(artifacts.tar_stream(revision), content_type="application/x-tar")
-        response["Content-Length"] = str(artifacts.tar_size(revision))
-        response["Content-Disposition"] = f'attachment; filename="{model.id}-{revision.id}.tar"'
-        response["X-Content-SHA256"] = revision.sha256
-        return response
+        return artifacts.download_response(revision)
 
 
 class ModelConfigs(APIView):

@@ -11,6 +11,7 @@ from typing import Any
 
 from django.conf import settings
 from django.db import transaction
+from django.http import StreamingHttpResponse
 
 from .models import Model, Revision
 
@@ -89,3 +90,12 @@ def tar_stream(revision: Revision) -> Iterator[bytes]:
                 yield chunk
         yield b"\0" * _padding(f["size"])
     yield b"\0" * 1024
+
+
+def download_response(revision: Revision) -> StreamingHttpResponse:
+    """The revision as a streamed .tar, sized up front so clients show progress and verify length."""
+    response = StreamingHttpResponse(tar_stream(revision), content_type="application/x-tar")
+    response["Content-Length"] = str(tar_size(revision))
+    response["Content-Disposition"] = f'attachment; filename="{revision.model_id}-{revision.id}.tar"'
+    response["X-Content-SHA256"] = revision.sha256
+    return response

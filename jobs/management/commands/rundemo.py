@@ -46,8 +46,8 @@ class Command(BaseCommand):
         call_command("migrate", verbosity=0)
         self.say("Building the demo assets (cached after the first run)...")
         assets = demo.build()
-        key = self._project_key()
-        admin_note = self._admin_user()
+        key, project = self._project_key()
+        admin_note = self._admin_user(project)
         url = f"http://127.0.0.1:{options['port']}"
         manage = [sys.executable, str(settings.BASE_DIR / "manage.py")]
         log_dir = settings.VAR_DIR / "log"
@@ -71,9 +71,11 @@ class Command(BaseCommand):
                 return
             self.say(
                 f"\nServing fp4prep at {url}  (Ctrl-C stops the server and the worker)\n"
+                f"  Dashboard  {url}/   {admin_note}\n"
+                f"  Demo job   {url}/projects/{project.id}/\n"
                 f"  API        {url}/v1/   with  Authorization: Bearer {key}\n"
                 f"  OpenAPI    {url}/v1/schema\n"
-                f"  Admin      {url}/admin/   {admin_note}\n"
+                f"  Admin      {url}/admin/   (the same user)\n"
                 f"  Logs       {log_dir}/server.log, worker.log"
             )
             server.wait()
@@ -95,22 +97,26 @@ class Command(BaseCommand):
         self.stdout.write(text)
         self.stdout.flush()
 
-    def _project_key(self) -> str:
+    def _project_key(self) -> tuple[str, Project]:
         project = Project.objects.filter(name=DEMO_PROJECT).first()
         if project is None:
             project, key = create_project(DEMO_PROJECT, Decimal(10))
             self.say(f"Created {project.id} ({DEMO_PROJECT}) with $10.00 of credit.")
-            return key
+            return key, project
         _, key = ApiKey.issue(project, "rundemo")
-        return key
+        return key, project
 
-    def _admin_user(self) -> str:
+    def _admin_user(self, project: Project) -> str:
+        """A superuser who is also a member of the demo project, so the dashboard shows its job."""
         users = get_user_model().objects
-        if users.filter(username="admin").exists():
-            return "(user admin, password as printed on the first run)"
-        password = secrets.token_urlsafe(12)
-        users.create_superuser("admin", password=password)
-        return f"user admin, password {password}"
+        user = users.filter(username="admin").first()
+        note = "(user admin, password as printed on the first run)"
+        if user is None:
+            password = secrets.token_urlsafe(12)
+            user = users.create_superuser("admin", password=password)
+            note = f"user admin, password {password}"
+        project.members.add(user)
+        return note
 
     def _wait_for_server(self, url: str, server: subprocess.Popen[bytes]) -> None:
         deadline = time.monotonic() + 60

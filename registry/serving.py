@@ -1,0 +1,55 @@
+"""The exact commands to fetch a revision and serve it, shown on the revision page."""
+
+from __future__ import annotations
+
+import shlex
+from dataclasses import dataclass
+
+from .models import DeploymentProfile, Model, Revision
+
+# vLLM's --quantization method for each checkpoint layout we write (README, "What the checkpoint holds").
+VLLM_METHOD = {"nvfp4": "modelopt_fp4", "mxfp4": "compressed-tensors", "fp8": "modelopt"}
+
+
+@dataclass(frozen=True)
+class ServeCommand:
+    profile: DeploymentProfile | None
+    download: str
+    serve: str
+
+
+def quantization_of(revision: Revision) -> str:
+    return str(revision.metadata.get("quantization") or "")
+
+
+def commands(model: Model, revision: Revision, api_root: str) -> list[ServeCommand]:
+    """One download and one ``vllm serve`` per deployment profile (tensor parallel = its GPUs).
+
+    Adapters and other unquantized revisions get none: they are served through their base.
+    """
+    quantization = quantization_of(revision)
+    if model.kind != Model.Kind.PREPARED or quantization not in VLLM_METHOD:
+        return []
+    directory = f"{model.id}-{revision.id}"
+    url = f"{api_root.rstrip('/')}/v1/models/{model.id}/revisions/{revision.id}/download"
+    download = (
+        f'curl -fL -H "Authorization: Bearer $FP4PREP_API_KEY" {shlex.quote(url)} -o {directory}.tar\n'
+        f"mkdir -p {directory} && tar -xf {directory}.tar -C {directory}"
+    )
+    profiles: list[DeploymentProfile | None] = list(model.deployment_profiles()) or [None]
+    return [
+        ServeCommand(
+            profile,
+            download,
+            " ".join(
+                [
+                    "vllm serve",
+                    f"./{directory}",
+                    f"--quantization {VLLM_METHOD[quantization]}",
+                    f"--tensor-parallel-size {profile.gpu_count if profile else 1}",
+                    f"--served-model-name {shlex.quote(model.name)}",
+                ]
+            ),
+        )
+        for profile in profiles
+    ]

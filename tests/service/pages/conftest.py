@@ -1,0 +1,149 @@
+"""Dashboard fixtures: signed-in Django test clients for alice (owner), bob (teammate) and charlie
+(outsider), a project with rows to list, and a headless Chromium for the browser tests."""
+
+from __future__ import annotations
+
+import os
+import shutil
+from collections.abc import Iterator
+from dataclasses import dataclass
+from decimal import Decimal
+from pathlib import Path
+from typing import Any
+
+import pytest
+from django.test import Client
+
+from jobs import services
+from jobs.models import CalibrationFile, Job
+from registry.models import Model, Project, Revision
+from registry.services import create_project
+
+ROOT = Path(__file__).resolve().parents[3]
+# The screenshots CI keeps (README, "Dashboard"): every page, desktop and phone width.
+SCREENSHOTS = Path(os.environ.get("FP4PREP_SCREENSHOTS", ROOT / "artifacts" / "screenshots"))
+CHROMIUM = os.environ.get("FP4PREP_CHROMIUM", "/usr/bin/chromium")
+VIEWPORTS = {"desktop": {"width": 1280, "height": 800}, "phone": {"width": 390, "height": 844}}
+
+
+@dataclass
+class Team:
+    alice: Client
+    bob: Client
+    charlie: Client
+    project_a: Project
+    project_c: Project
+    users: dict[str, Any]
+
+
+@pytest.fixture
+def team(transactional_db: Any) -> Team:
+    from django.contrib.auth import get_user_model
+
+    users = get_user_model().objects
+    made = {name: users.create_user(name, password="pw") for name in ("alice", "bob", "charlie")}
+    project_a, _ = create_project("Alice's project", Decimal("10.00"), made["alice"])
+    project_a.members.add(made["bob"])
+    project_c, _ = create_project("Charlie's project", Decimal("10.00"), made["charlie"])
+    clients = {}
+    for name, user in made.items():
+        clients[name] = Client()
+        clients[name].force_login(user)
+    return Team(clients["alice"], clients["bob"], clients["charlie"], project_a, project_c, made)
+
+
+@pytest.fixture
+def filled(team: Team, catalogue: Any) -> dict[str, Any]:
+    """Five adapters with two revisions each, five files, five jobs with events and five API keys, in project A."""
+    from registry.models import ApiKey
+
+    project = team.project_a
+    jobs, adapters, files = [], [], []
+    for i in range(5):
+        adapter = Model.objects.create(project=project, kind="adapter", name=f"adapter-{i}", base_model="tests/tiny-llama", supported_base=catalogue)
+        for n in (1, 2):
+            Revision.objects.create(model=adapter, number=n, path=f"x/{i}/{n}", size_bytes=1, sha256="0" * 64)
+        files.append(CalibrationFile.objects.create(
+            project=project, filename=f"f{i}.jsonl", size_bytes=1, sha256="0" * 64, status="processed",
+            report={"conversations": 1, "error_count": 0, "errors": [], "summary": "ok"},
+        ))
+        job = services.create_job(project, {"adapter_object_id": adapter.id})
+        for k in range(3):
+            job.event("JOB_STAGE", f"stage {k}")
+        jobs.append(job)
+        adapters.append(adapter)
+        if i:
+            ApiKey.issue(project, f"key {i}")
+    return {"jobs": jobs, "adapters": adapters, "files": files}
+
+
+@pytest.fixture(scope="session")
+def browser() -> Iterator[Any]:
+    """Debian's Chromium driven by Playwright: never a browser Playwright downloads."""
+    if not Path(CHROMIUM).exists():
+        pytest.fail(f"browser tests need Chromium at {CHROMIUM}: apt-get install chromium (.ci/run does)")
+    # Playwright's sync API keeps an event loop in this thread; the ORM calls the tests make between
+    # its calls are plain synchronous code, which Django would otherwise refuse.
+    os.environ["DJANGO_ALLOW_ASYNC_UNSAFE"] = "true"
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as playwright:
+        chromium = playwright.chromium.launch(
+            executable_path=CHROMIUM,
+            args=["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run", "--disable-background-networking",
+                  "--disable-component-update", "--disable-sync"],
+        )
+        yield chromium
+        chromium.close()
+
+
+@pytest.fixture(scope="session")
+def screenshots() -> Path:
+    shutil.rmtree(SCREENSHOTS, ignore_errors=True)
+    SCREENSHOTS.mkdir(parents=True)
+    return SCREENSHOTS
+
+
+class Shooter:
+    """Saves the current page at desktop and phone width, then puts the viewport back."""
+
+    def __init__(self, folder: Path) -> None:
+        self.folder = folder
+
+    def __call__(self, page: Any, name: str) -> None:
+        for label, size in VIEWPORTS.items():
+            page.set_viewport_size(size)
+            page.screenshot(path=str(self.folder / f"{name}-{label}.png"), full_page=True)
+        page.set_viewport_size(VIEWPORTS["desktop"])
+
+
+@pytest.fixture
+def shoot(screenshots: Path) -> Shooter:
+    return Shooter(screenshots)
+
+
+@pytest.fixture
+def open_page(browser: Any, live_server: Any) -> Iterator[Any]:
+    """A signed-in tab: open_page("alice") in its own browser context (cookies of its own)."""
+    contexts: list[Any] = []
+
+    def sign_in(username: str, password: str = "pw") -> Any:
+        context = browser.new_context(viewport=VIEWPORTS["desktop"], accept_downloads=True)
+        contexts.append(context)
+        page = context.new_page()
+        page.set_default_timeout(30_000)
+        page.goto(f"{live_server.url}/login/")
+        page.fill("#id_username", username)
+        page.fill("#id_password", password)
+        page.click("button[type=submit]")
+        page.wait_for_url(f"{live_server.url}/projects/**")
+        return page
+
+    yield sign_in
+    for context in contexts:
+        context.close()
+
+
+def job_of(project: Project, status: str | None = None) -> Job:
+    jobs = Job.objects.filter(project=project)
+    return (jobs.filter(status=status) if status else jobs).latest("created_at")

@@ -1,0 +1,167 @@
+"""The dashboard in headless Chromium against a live server and a real worker process.
+
+alice signs in, registers an adapter, uploads a bad calibration file and reads its errors, uploads a
+good one, estimates, creates a job after confirming and watches it complete without reloading, then
+reads the quality chart and downloads the checkpoint. bob, her teammate, starts a job and cancels it
+while it runs. charlie, an outsider, gets 404 on both jobs. Every page is saved as a screenshot at
+desktop and phone width (README, "Dashboard").
+"""
+
+from __future__ import annotations
+
+import hashlib
+import tarfile
+from pathlib import Path
+from typing import Any
+
+from jobs.models import Job
+from registry.models import Revision
+from tests.service.conftest import TINY_BASE_ID
+
+from .conftest import Shooter, job_of
+
+RUN_TIMEOUT = 300_000  # ms: a tiny job on a loaded 2-core machine
+
+
+def register_adapter(page: Any, shoot: Shooter, base: str, archive: bytes) -> None:
+    page.goto(f"{base}/adapters/")
+    shoot(page, "models-empty")
+    page.fill("#id_name", "support-bot")
+    page.fill("#id_base_model", TINY_BASE_ID)
+    page.set_input_files("#id_archive", {"name": "support-bot.tar.gz", "mimeType": "application/gzip", "buffer": archive})
+    page.click("#register button[type=submit]")
+    page.wait_for_url(f"{base}/models/**")
+    assert page.locator("h1").inner_text() == "support-bot"
+
+
+def calibrate_estimate_and_create(page: Any, shoot: Shooter, good: bytes | None) -> None:
+    """On the prepare page: optionally the calibration uploads, then estimate and a confirmed create."""
+    if good is not None:
+        bad = b'{"messages": [{"role": "user", "content": "hi"}]}\nnot json\n{"messages": [{"role": "robot", "content": "x"}]}\n'
+        page.set_input_files("#id_file", {"name": "bad.jsonl", "mimeType": "application/jsonl", "buffer": bad})
+        report = page.locator("#calibration-field .report")
+        report.wait_for()
+        assert "did not pass validation: 2 errors" in page.locator("#calibration-field").inner_text()
+        assert report.locator("li").nth(0).inner_text().startswith("line 2")
+        assert report.locator("li").nth(1).inner_text().startswith("line 3")
+        shoot(page, "prepare-calibration-errors")
+        page.set_input_files("#id_file", {"name": "support-chats.jsonl", "mimeType": "application/jsonl", "buffer": good})
+        page.get_by_text("passed validation: 120 conversations").wait_for()
+        assert "support-chats.jsonl" in page.locator("#id_calibration_file option:checked").inner_text()
+    page.click("#prepare-form button[type=submit]")
+    page.locator("#estimate [data-price]").wait_for()
+    assert page.locator("#estimate [data-price]").inner_text() == "$0.10"
+    assert "Allowed to proceed" in page.locator("#estimate").inner_text()
+    shoot(page, "prepare-estimate")
+    dialogs: list[str] = []
+    page.once("dialog", lambda dialog: (dialogs.append(dialog.message), dialog.accept()))
+    page.get_by_role("button", name="Create job for $0.10").click()
+    page.wait_for_url("**/jobs/*/")
+    assert dialogs == ["Create this job? $0.10 of credit will be held until it ends."]
+
+
+def test_a_team_prepares_watches_downloads_and_cancels_and_an_outsider_sees_nothing(
+    open_page: Any, live_server: Any, people: Any, catalogue: Any, start_worker: Any, shoot: Shooter,
+    browser: Any, tiny_adapter_archive: bytes, calibration_bytes: bytes, tmp_path: Path,
+) -> None:
+    start_worker("cpu")
+    project = people.project_a
+    base = f"{live_server.url}/projects/{project.id}"
+
+    login = browser.new_page(viewport={"width": 1280, "height": 800})
+    login.goto(f"{live_server.url}/login/")
+    shoot(login, "sign-in")
+    login.close()
+
+    # --- alice: register, calibrate, estimate, create, watch, read, download --------------------
+    alice = open_page("alice")
+    assert alice.url == f"{base}/"
+    shoot(alice, "jobs-empty")
+    register_adapter(alice, shoot, base, tiny_adapter_archive)
+    alice.get_by_role("link", name="Prepare for NVFP4").click()
+    alice.wait_for_url(f"{base}/prepare/**")
+    calibrate_estimate_and_create(alice, shoot, calibration_bytes)
+    job = job_of(project)
+    assert alice.url == f"{base}/jobs/{job.id}/" and job.calibration_file is not None
+
+    alice.evaluate("window.__samePage = true")  # gone if the page ever reloads
+    polls: list[str] = []
+    alice.on("request", lambda request: polls.append(request.url) if request.url.endswith("/live") else None)
+    alice.locator('[data-status="completed"]').wait_for(timeout=RUN_TIMEOUT)
+    assert alice.evaluate("window.__samePage") is True
+    assert len(polls) >= 1
+    events = alice.locator(".events").inner_text()
+    for stage in ("merging", "calibrating", "quantizing", "exporting", "validating"):
+        assert stage in events.lower()
+    quality = alice.locator("#quality")
+    assert "Top-1 token agreement" in quality.inner_text() and "Checkpoint size" in quality.inner_text()
+    assert quality.locator(".fill.fp4").count() >= 3
+    shoot(alice, "job-completed")
+    seen = len(polls)
+    alice.wait_for_timeout(4500)  # two polling periods
+    assert len(polls) == seen, "polling goes on after the job ended"
+
+    job.refresh_from_db()
+    revision = Revision.objects.get(pk=job.result_revision_id)
+    with alice.expect_download() as download_info:
+        alice.get_by_role("link", name="Download checkpoint (.tar)").click()
+    tar_path = tmp_path / "checkpoint.tar"
+    download_info.value.save_as(tar_path)
+    with tarfile.open(tar_path) as tar:
+        got = {m.name: hashlib.sha256(tar.extractfile(m).read()).hexdigest() for m in tar.getmembers() if m.isfile()}  # type: ignore[union-attr]
+    assert got == {f["path"]: f["sha256"] for f in revision.files}
+    assert "config.json" in got
+
+    alice.get_by_role("link", name="Serve with vLLM").click()
+    alice.wait_for_url(f"{base}/models/{job.result_model_id}/revisions/{revision.id}/")
+    assert f"vllm serve ./{job.result_model_id}-{revision.id} --quantization modelopt_fp4" in alice.locator("#serve").inner_text()
+    shoot(alice, "revision")
+    alice.goto(f"{base}/models/{job.result_model_id}/")
+    shoot(alice, "model-prepared")
+    alice.goto(f"{base}/models/{job.adapter_id}/")
+    shoot(alice, "model-adapter")
+    alice.goto(f"{base}/adapters/")
+    shoot(alice, "models")
+    alice.goto(f"{base}/files/")
+    shoot(alice, "files")
+    alice.get_by_role("link", name="bad.jsonl").click()
+    assert "line 2" in alice.locator(".report").inner_text()
+    shoot(alice, "file-errors")
+    alice.goto(f"{base}/keys/")
+    alice.fill("input[name=name]", "CI pipeline")
+    alice.get_by_role("button", name="Create key").click()
+    alice.locator("[data-key]").wait_for()
+    shoot(alice, "keys")
+
+    # --- bob: a job without calibration data, cancelled while it runs ----------------------------
+    bob = open_page("bob")
+    bob.goto(f"{base}/prepare/")
+    calibrate_estimate_and_create(bob, shoot, None)
+    bobs_job = job_of(project, None)
+    assert bobs_job.id != job.id and bob.url == f"{base}/jobs/{bobs_job.id}/"
+    bob.locator('[data-status="running"]').wait_for(timeout=RUN_TIMEOUT)
+    bob.locator(".progress").wait_for()
+    shoot(bob, "job-running")
+    bob.once("dialog", lambda dialog: dialog.accept())
+    bob.get_by_role("button", name="Cancel job").click()
+    bob.locator('[data-status="cancel_requested"]').wait_for()
+    assert bob.get_by_role("button", name="Cancel job").count() == 0
+    bob.locator('[data-status="cancelled"]').wait_for(timeout=RUN_TIMEOUT)
+    assert "Cancellation requested" in bob.locator(".events").inner_text()
+    shoot(bob, "job-cancelled")
+    bobs_job.refresh_from_db()
+    assert bobs_job.status == Job.Status.CANCELLED and bobs_job.result_revision_id is None
+    bob.goto(f"{base}/")
+    assert bob.locator("tbody tr").count() == 2
+    shoot(bob, "jobs")
+    bob.goto(f"{base}/?status=completed")
+    assert bob.locator("tbody tr").count() == 1
+
+    # --- charlie: neither job exists for him, under either project's URL --------------------------
+    charlie = open_page("charlie")
+    for job_id in (job.id, bobs_job.id):
+        for project_id in (project.id, people.project_c.id):
+            response = charlie.goto(f"{live_server.url}/projects/{project_id}/jobs/{job_id}/")
+            assert response.status == 404
+            assert "Not found" in charlie.locator("h1, strong").first.inner_text()
+    shoot(charlie, "not-found")
