@@ -66,6 +66,7 @@ def _job_context(project: Project, job_id: str, **extra: Any) -> dict[str, Any]:
         "job": job,
         "events": list(job.events.order_by("id")),
         "eta_text": _duration(job.eta_seconds()),
+        "run_text": _duration((job.finished_at - job.started_at).total_seconds()) if job.finished_at and job.started_at else "",
         "stages": stages,
         "chart": quality.chart(report),
         "figures": quality.figures(report),
@@ -150,6 +151,8 @@ def prepare(request: HttpRequest, project: Project) -> HttpResponse:
 
 def _estimate_response(request: HttpRequest, project: Project, status: int = 200, **extra: Any) -> HttpResponse:
     context = _prepare_context(request, project, request.POST, **extra)
+    if extra.get("estimate"):
+        context["time_text"] = _duration(float(extra["estimate"].time_hours) * 3600)
     template = "jobs/prepare.html#estimate" if request.htmx else "jobs/prepare.html"
     return render(request, template, context, status=status)
 

@@ -33,7 +33,7 @@ def commands(model: Model, revision: Revision, api_root: str) -> list[ServeComma
     directory = f"{model.id}-{revision.id}"
     url = f"{api_root.rstrip('/')}/v1/models/{model.id}/revisions/{revision.id}/download"
     download = (
-        f'curl -fL -H "Authorization: Bearer $FP4PREP_API_KEY" {shlex.quote(url)} -o {directory}.tar\n'
+        f'curl -fL -H "Authorization: Bearer $FP4PREP_API_KEY" \\\n    {shlex.quote(url)} \\\n    -o {directory}.tar\n'
         f"mkdir -p {directory} && tar -xf {directory}.tar -C {directory}"
     )
     profiles: list[DeploymentProfile | None] = list(model.deployment_profiles()) or [None]
@@ -41,10 +41,9 @@ def commands(model: Model, revision: Revision, api_root: str) -> list[ServeComma
         ServeCommand(
             profile,
             download,
-            " ".join(
+            " \\\n    ".join(
                 [
-                    "vllm serve",
-                    f"./{directory}",
+                    f"vllm serve ./{directory}",
                     f"--quantization {VLLM_METHOD[quantization]}",
                     f"--tensor-parallel-size {profile.gpu_count if profile else 1}",
                     f"--served-model-name {shlex.quote(model.name)}",

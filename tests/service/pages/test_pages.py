@@ -243,5 +243,7 @@ def test_the_revision_page_gives_the_exact_vllm_command(team: Team, catalogue: A
     revision = Revision.objects.create(model=model, number=1, path="p", size_bytes=1, sha256="0" * 64, metadata={"quantization": "nvfp4"})
     html = team.alice.get(f"/projects/{team.project_a.id}/models/{model.id}/revisions/{revision.id}/").content.decode()
     directory = f"{model.id}-{revision.id}"
-    assert f"vllm serve ./{directory} --quantization modelopt_fp4 --tensor-parallel-size 2 --served-model-name &#x27;bot (NVFP4)&#x27;" in html
-    assert f"http://testserver/v1/models/{model.id}/revisions/{revision.id}/download -o {directory}.tar" in html
+    serve = f"vllm serve ./{directory} \\\n    --quantization modelopt_fp4 \\\n    --tensor-parallel-size 2 \\\n    --served-model-name &#x27;bot (NVFP4)&#x27;"
+    assert serve in html
+    assert f"http://testserver/v1/models/{model.id}/revisions/{revision.id}/download \\\n    -o {directory}.tar" in html
+    assert f"mkdir -p {directory} &amp;&amp; tar -xf {directory}.tar -C {directory}" in html
