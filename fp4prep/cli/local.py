@@ -1,8 +1,6 @@
-"""The ``fp4prep`` command.
-
-``fp4prep quantize`` runs the pipeline locally on a checkpoint directory (seed 004's command);
-``fp4prep demo`` builds the embedded demo assets and runs ``quantize`` on them.
-"""
+"""The local commands: ``fp4prep quantize`` runs the pipeline on a checkpoint directory (seed
+004's command); ``fp4prep demo`` builds the embedded demo assets and runs ``quantize`` on them.
+No server is involved."""
 
 from __future__ import annotations
 
@@ -156,9 +154,7 @@ def _add_run_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quiet", action="store_true", help="no progress bars")
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="fp4prep", description=__doc__.splitlines()[0])
-    sub = parser.add_subparsers(dest="command", required=True)
+def add_commands(sub: Any) -> None:
 
     q = sub.add_parser("quantize", help="merge an adapter and quantize a checkpoint locally")
     q.add_argument(
@@ -187,24 +183,12 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--rebuild", action="store_true", help="rebuild the cached demo assets")
     _add_run_options(d)
     d.set_defaults(func=cmd_demo)
-    return parser
 
 
-def _quiet_libraries() -> None:
+def quiet_libraries() -> None:
     """Library chatter (deprecations, shard bars) would bury our bars; our errors print anyway."""
     warnings.filterwarnings("ignore")
     logging.getLogger("modelopt").setLevel(logging.ERROR)
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
-
-
-def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    _quiet_libraries()
-    return int(args.func(args) or 0)
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,0 +1,5 @@
+import sys
+
+from fp4prep.cli import main
+
+sys.exit(main())
