@@ -77,17 +77,20 @@ def filled(team: Team, catalogue: Any) -> dict[str, Any]:
     return {"jobs": jobs, "adapters": adapters, "files": files}
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def browser() -> Iterator[Any]:
-    """Debian's Chromium driven by Playwright: never a browser Playwright downloads."""
+    """Debian's Chromium driven by Playwright: never a browser Playwright downloads. Closed after
+    the module, so no event loop outlives the browser tests.
+
+    Playwright's sync API keeps an event loop in this thread; the ORM calls made between its calls
+    are plain synchronous code, which Django would otherwise refuse. The switch that allows them is
+    on for this module only: left on, it leaks into processes later tests start."""
     if not Path(CHROMIUM).exists():
-        pytest.fail(f"browser tests need Chromium at {CHROMIUM}: apt-get install chromium (.ci/run does)")
-    # Playwright's sync API keeps an event loop in this thread; the ORM calls the tests make between
-    # its calls are plain synchronous code, which Django would otherwise refuse.
-    os.environ["DJANGO_ALLOW_ASYNC_UNSAFE"] = "true"
+        pytest.fail(f"browser tests need Chromium at {CHROMIUM}: apt-get install chromium (bin/test's setup does)")
     from playwright.sync_api import sync_playwright
 
-    with sync_playwright() as playwright:
+    with pytest.MonkeyPatch.context() as patch, sync_playwright() as playwright:
+        patch.setenv("DJANGO_ALLOW_ASYNC_UNSAFE", "true")
         chromium = playwright.chromium.launch(
             executable_path=CHROMIUM,
             args=["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run", "--disable-background-networking",
