@@ -77,7 +77,7 @@ class StageBar:
         if stage != self.stage:
             self.close()
             self.stage = stage
-            self.bar = tqdm(total=100, desc=f"{stage:<12}", file=sys.stderr, bar_format="{desc} {bar} {percentage:3.0f}%")
+            self.bar = tqdm(total=100, desc=f"{stage:<12}", file=sys.stderr, ncols=64, bar_format="{desc} {bar} {percentage:3.0f}%")
         self.bar.update(max(0, round(fraction * 100) - self.bar.n))
 
     def close(self) -> None:

@@ -87,6 +87,9 @@ def test_a_team_prepares_watches_downloads_and_cancels_and_an_outsider_sees_noth
     alice.evaluate("window.__samePage = true")  # gone if the page ever reloads
     polls: list[str] = []
     alice.on("request", lambda request: polls.append(request.url) if request.url.endswith("/live") else None)
+    alice.locator('[data-status="running"]').wait_for(timeout=RUN_TIMEOUT)
+    alice.locator(".progress").wait_for()
+    shoot(alice, "job-running")
     alice.locator('[data-status="completed"]').wait_for(timeout=RUN_TIMEOUT)
     assert alice.evaluate("window.__samePage") is True
     assert len(polls) >= 1
@@ -141,12 +144,11 @@ def test_a_team_prepares_watches_downloads_and_cancels_and_an_outsider_sees_noth
     bobs_job = job_of(project, None)
     assert bobs_job.id != job.id and bob.url == f"{base}/jobs/{bobs_job.id}/"
     bob.locator('[data-status="running"]').wait_for(timeout=RUN_TIMEOUT)
-    bob.locator(".progress").wait_for()
-    shoot(bob, "job-running")
     bob.once("dialog", lambda dialog: dialog.accept())
-    bob.get_by_role("button", name="Cancel job").click()
+    bob.get_by_role("button", name="Cancel job").click()  # at once: a tiny job runs for seconds only
     bob.locator('[data-status="cancel_requested"]').wait_for()
     assert bob.get_by_role("button", name="Cancel job").count() == 0
+    shoot(bob, "job-cancel-requested")
     bob.locator('[data-status="cancelled"]').wait_for(timeout=RUN_TIMEOUT)
     assert "Cancellation requested" in bob.locator(".events").inner_text()
     shoot(bob, "job-cancelled")
