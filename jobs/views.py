@@ -35,10 +35,14 @@ STAGES = ("merging", "calibrating", "quantizing", "exporting", "validating", "up
 def job_list(request: HttpRequest, project: Project) -> HttpResponse:
     jobs = Job.objects.filter(project=project).select_related("adapter", "supported_base").order_by("-created_at", "-id")
     selected = request.GET.get("status", "")
-    if selected in FILTERS:
+    if selected not in FILTERS:
+        selected = ""
+    if selected:
         jobs = jobs.filter(status__in=FILTERS[selected][1])
     filters = [("", "All")] + [(key, label) for key, (label, _) in FILTERS.items()]
-    return render(request, "jobs/jobs.html", {"page": paginate(request, jobs), "filters": filters, "selected": selected})
+    context = {"page": paginate(request, jobs), "filters": filters, "selected": selected,
+               "page_query": f"status={selected}&" if selected else ""}
+    return render(request, "jobs/jobs.html", context)
 
 
 def _duration(seconds: float | None) -> str:

@@ -103,6 +103,18 @@ def test_list_pages_take_a_fixed_number_of_queries(
     assert response.content.decode().count("<tr>") >= 5
 
 
+def test_long_lists_are_paged_and_keep_their_filter(team: Team, filled: dict[str, Any]) -> None:
+    adapter = filled["adapters"][0]
+    for _ in range(21):  # 26 pending jobs with the five of `filled`
+        services.create_job(team.project_a, {"adapter_object_id": adapter.id})
+    base = f"/projects/{team.project_a.id}/"
+    first = team.alice.get(f"{base}?status=active").content.decode()
+    assert first.count("<tr>") == 26 and 'href="?status=active&amp;page=2">Older →</a>' in first and "Page 1 of 2" in first
+    second = team.alice.get(f"{base}?status=active&page=2").content.decode()
+    assert second.count("<tr>") == 2 and 'href="?status=active&amp;page=1">← Newer</a>' in second
+    assert "Page 1 of 1" not in team.alice.get(f"{base}?status=completed").content.decode()
+
+
 def test_the_polled_job_partial_takes_a_fixed_number_of_queries_and_stops_when_the_job_ends(
     team: Team, filled: dict[str, Any], django_assert_num_queries: Any
 ) -> None:
