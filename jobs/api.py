@@ -91,8 +91,7 @@ class JobList(ListAPIView):
 class JobDetail(APIView):
     @extend_schema(responses=JobDetailSerializer)
     def get(self, request: Request, job_id: str) -> Response:
-        job = get_job(project_of(request), job_id)
-        return Response(JobDetailSerializer(JOBS.get(pk=job.pk)).data)
+        return Response(JobDetailSerializer(get_job(project_of(request), job_id, JOBS)).data)
 
 
 class JobEvents(APIView):

@@ -113,8 +113,9 @@ class Job(models.Model):
         return JobEvent.objects.create(job=self, type=type, level=level, message=message, data=data)
 
 
-def get_job(project: Project, job_id: str) -> Job:
-    found = Job.objects.filter(project=project, pk=job_id).first()
+def get_job(project: Project, job_id: str, among: models.QuerySet[Job] | None = None) -> Job:
+    """The project's job; ``among`` (e.g. with select_related) is where to look, all jobs by default."""
+    found = (Job.objects.all() if among is None else among).filter(project=project, pk=job_id).first()
     if found is None:
         raise NotFound(f"Shaping job {job_id} not found", code="job_not_found")
     return found

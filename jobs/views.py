@@ -12,6 +12,7 @@ from typing import Any
 from django.http import HttpRequest, HttpResponse
 from django.shortcuts import redirect, render
 from django.template.loader import render_to_string
+from django.urls import reverse
 from django.views.decorators.http import require_POST
 from django_htmx.http import HttpResponseClientRedirect, HttpResponseStopPolling
 
@@ -21,6 +22,7 @@ from registry.models import Model, Project
 
 from . import calibration, quality, services
 from .models import CalibrationFile, Job, get_file, get_job
+from .tasks import STAGE_MESSAGES
 
 FILTERS = {
     "active": ("Active", [Job.Status.PENDING, Job.Status.QUEUED, Job.Status.RUNNING, Job.Status.CANCEL_REQUESTED]),
@@ -28,7 +30,7 @@ FILTERS = {
     "failed": ("Failed", [Job.Status.ERROR, Job.Status.USER_ERROR]),
     "cancelled": ("Cancelled", [Job.Status.CANCELLED]),
 }
-STAGES = ("merging", "calibrating", "quantizing", "exporting", "validating", "uploading")
+STAGES = tuple(STAGE_MESSAGES)  # the worker's stages, in order: the pipeline's, then uploading
 
 
 @project_page
@@ -56,10 +58,8 @@ def _duration(seconds: float | None) -> str:
 
 
 def _job_context(project: Project, job_id: str, **extra: Any) -> dict[str, Any]:
-    job = get_job(project, job_id)
-    job = Job.objects.select_related(
-        "adapter", "adapter_revision", "calibration_file", "supported_base", "result_model", "result_revision"
-    ).get(pk=job.pk)
+    related = ("adapter", "adapter_revision", "calibration_file", "supported_base", "result_model", "result_revision")
+    job = get_job(project, job_id, Job.objects.select_related(*related))
     report = job.report or {}
     current = STAGES.index(job.stage) if job.stage in STAGES else -1
     stages = [
@@ -190,7 +190,7 @@ def prepare_create(request: HttpRequest, project: Project) -> HttpResponse:
         job = services.create_job(project, inputs)
     except ServiceError as exc:
         return _estimate_response(request, project, status=exc.status, estimate_error=exc.message)
-    target = f"/projects/{project.id}/jobs/{job.id}/"
+    target = reverse("job", args=[project.id, job.id])
     return HttpResponseClientRedirect(target) if request.htmx else redirect(target)
 
 

@@ -6,7 +6,7 @@ from pathlib import Path
 from typing import Any
 
 from django.conf import settings
-from django.db.models import Prefetch, Q
+from django.db.models import Q
 from django.http import StreamingHttpResponse
 from drf_spectacular.types import OpenApiTypes
 from drf_spectacular.utils import OpenApiResponse, extend_schema, inline_serializer
@@ -19,7 +19,7 @@ from fp4prep.api import uploaded_file
 
 from . import artifacts, services
 from .auth import project_of
-from .models import Model, Revision, get_model, get_revision
+from .models import NEWEST_FIRST, Model, get_model, get_revision
 from .serializers import (
     DeploymentProfileSerializer,
     ModelSerializer,
@@ -27,8 +27,6 @@ from .serializers import (
     RegisterAdapterSerializer,
     RevisionSerializer,
 )
-
-NEWEST_FIRST = Prefetch("revisions", queryset=Revision.objects.order_by("-number"))
 
 
 class WhoAmI(APIView):
@@ -81,8 +79,7 @@ class ModelList(ListAPIView):
 class ModelDetail(APIView):
     @extend_schema(responses=ModelSerializer)
     def get(self, request: Request, model_id: str) -> Response:
-        model = get_model(project_of(request), model_id)
-        model = Model.objects.prefetch_related(NEWEST_FIRST).select_related("supported_base").get(pk=model.pk)
+        model = get_model(project_of(request), model_id, Model.objects.prefetch_related(NEWEST_FIRST).select_related("supported_base"))
         return Response(ModelSerializer(model).data)
 
 

@@ -255,9 +255,10 @@ class Model(models.Model):
         return DeploymentProfile.objects.filter(supported_base_id=self.supported_base_id)
 
 
-def get_model(project: Project, model_id: str) -> Model:
-    """The project's model or a public one; anything else is 'does not exist in this project'."""
-    found = Model.objects.filter(Q(project=project) | Q(project__isnull=True), pk=model_id).first()
+def get_model(project: Project, model_id: str, among: models.QuerySet[Model] | None = None) -> Model:
+    """The project's model or a public one; anything else is 'does not exist in this project'.
+    ``among`` (e.g. with its relations prefetched) is where to look, all models by default."""
+    found = (Model.objects.all() if among is None else among).filter(Q(project=project) | Q(project__isnull=True), pk=model_id).first()
     if found is None:
         raise NotFound(f"model {model_id} does not exist in this project", code="model_not_found")
     return found
@@ -294,3 +295,7 @@ class Revision(models.Model):
     @property
     def directory(self) -> Path:
         return settings.ARTIFACT_ROOT / self.path
+
+
+# Prefetch a model's revisions newest first (what lists and detail views show).
+NEWEST_FIRST = models.Prefetch("revisions", queryset=Revision.objects.order_by("-number"))

@@ -5,9 +5,10 @@ from __future__ import annotations
 from pathlib import Path
 
 from django.contrib.auth.decorators import login_required
-from django.db.models import Prefetch, Q
+from django.db.models import Q
 from django.http import HttpRequest, HttpResponse
 from django.shortcuts import redirect, render
+from django.urls import reverse
 from django.views.decorators.http import require_POST
 from django_htmx.http import HttpResponseClientRedirect
 
@@ -15,9 +16,7 @@ from fp4prep.errors import NotFound, ServiceError
 from fp4prep.web import SESSION_PROJECT, member_projects, paginate, project_page, upload, upload_page
 
 from . import artifacts, services, serving
-from .models import ApiKey, Model, Project, Revision, SupportedBase, get_model, get_revision
-
-NEWEST_FIRST = Prefetch("revisions", queryset=Revision.objects.order_by("-number"))
+from .models import NEWEST_FIRST, ApiKey, Model, Project, SupportedBase, get_model, get_revision
 
 
 @login_required
@@ -84,18 +83,13 @@ def adapters(request: HttpRequest, project: Project) -> HttpResponse:
         )
     except ServiceError as exc:
         return _adapters(request, project, error=exc.message, form=form)
-    target = f"/projects/{project.id}/models/{model.id}/"
+    target = reverse("model", args=[project.id, model.id])
     return HttpResponseClientRedirect(target) if request.htmx else redirect(target)
 
 
 @project_page
 def model_detail(request: HttpRequest, project: Project, model_id: str) -> HttpResponse:
-    model = get_model(project, model_id)
-    model = (
-        Model.objects.select_related("supported_base", "source_adapter")
-        .prefetch_related(NEWEST_FIRST)
-        .get(pk=model.pk)
-    )
+    model = get_model(project, model_id, Model.objects.select_related("supported_base", "source_adapter").prefetch_related(NEWEST_FIRST))
     from jobs.models import Job  # jobs depends on registry, not the other way round
 
     jobs = Job.objects.filter(project=project).filter(Q(adapter=model) | Q(result_model=model)).order_by("-created_at")[:20]

@@ -57,7 +57,7 @@ def test_polling_a_job_and_its_events_takes_a_fixed_number_of_queries(
     client_and_jobs: tuple[APIClient, list[Job]], django_assert_num_queries: Any
 ) -> None:
     client, jobs = client_and_jobs
-    with django_assert_num_queries(3):  # key, job lookup in the project, job with its catalogue entry
+    with django_assert_num_queries(2):  # key, the job in the project with its catalogue entry
         assert client.get(f"{JOBS}/{jobs[0].id}").status_code == 200
     with django_assert_num_queries(3):  # key, job lookup, events
         assert len(client.get(f"{JOBS}/{jobs[0].id}/events").json()["data"]) == 4

@@ -121,7 +121,7 @@ def test_the_polled_job_partial_takes_a_fixed_number_of_queries_and_stops_when_t
     job = filled["jobs"][0]
     url = f"/projects/{team.project_a.id}/jobs/{job.id}/live"
     team.alice.get(f"/projects/{team.project_a.id}/")
-    with django_assert_num_queries(6):  # session, user, membership, job in project, job with relations, events
+    with django_assert_num_queries(5):  # session, user, membership, the job in the project with its relations, events
         response = team.alice.get(url, headers={"HX-Request": "true"})
     html = response.content.decode()
     assert response.status_code == 200 and 'hx-trigger="every 2s"' in html and "<html" not in html
