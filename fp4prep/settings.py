@@ -7,6 +7,7 @@ FP4PREP_DEBUG=0 and FP4PREP_ALLOWED_HOSTS; ``manage.py check --deploy`` is then 
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import dj_database_url
@@ -109,6 +110,13 @@ FILE_UPLOAD_MAX_MEMORY_SIZE = 4 * 1024 * 1024
 WORKER_KIND = env_choice("FP4PREP_WORKER_KIND", "cpu", ("cpu", "gpu"))
 WORKER_SLOTS = env_int("FP4PREP_WORKER_SLOTS", 1, minimum=1)
 WORKER_NAME = env_str("FP4PREP_WORKER_NAME")  # default: host:pid
+# Where a worker's jobs compute: auto (a CUDA device when there is one), cpu, cuda or cuda:N.
+WORKER_DEVICE = env_str("FP4PREP_WORKER_DEVICE", "auto").lower()
+if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", WORKER_DEVICE):
+    raise ImproperlyConfigured(f"FP4PREP_WORKER_DEVICE={WORKER_DEVICE!r} must be auto, cpu, cuda or cuda:N")
+# A job that ended in error keeps what it finished (calibrated layers, the export) this long, so
+# that support's requeue continues from there instead of from zero.
+RESUME_KEEP_HOURS = env_float("FP4PREP_RESUME_KEEP_HOURS", 72.0, minimum=0.0)
 HEARTBEAT_INTERVAL = env_float("FP4PREP_HEARTBEAT_INTERVAL", 10.0, minimum=0.1)
 HEARTBEAT_TIMEOUT = env_float("FP4PREP_HEARTBEAT_TIMEOUT", 120.0, minimum=0.1)
 JOB_TIMEOUT = env_int("FP4PREP_JOB_TIMEOUT", 48 * 3600, minimum=60)

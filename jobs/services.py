@@ -214,14 +214,26 @@ def request_cancel(project: Project, job_id: str) -> Job:
 
 
 def requeue(job: Job) -> Job:
-    """Support's action: run a failed or cancelled job's inputs again as a new job (new hold, new ID)."""
+    """Support's action: run a failed or cancelled job's inputs again as a new job (new hold, new ID).
+
+    What the failed job finished (its calibrated layers, its export) moves to the new job, which
+    continues from there.
+    """
     inputs = {
         "adapter_object_id": job.adapter_id,
         "adapter_revision_id": job.adapter_revision_id,
         "calibration_file_id": job.calibration_file_id,
     }
     new = create_job(job.project, inputs)
-    new.event(STATUS_EVENT, f"Requeued from {job.id} by support", data={"status": new.status, "requeued_from": job.id})
+    kept = work_dir(job.id)
+    resumes = kept.is_dir() and job.status == Job.Status.ERROR
+    if resumes:
+        kept.rename(work_dir(new.id))
+    new.event(
+        STATUS_EVENT,
+        f"Requeued from {job.id} by support" + ("; it continues from where that job stopped" if resumes else ""),
+        data={"status": new.status, "requeued_from": job.id},
+    )
     return new
 
 
@@ -264,8 +276,38 @@ def finish(
 
 
 def work_dir(job_id: str) -> Path:
-    """Where a job's pipeline writes until its checkpoint is registered (removed when it ends)."""
+    """Where a job's pipeline writes until its checkpoint is registered.
+
+    Removed when the job ends, except after an error: then what the run finished stays for
+    ``RESUME_KEEP_HOURS``, so that a requeue continues from there.
+    """
     return Path(settings.ARTIFACT_ROOT) / "work" / job_id
+
+
+def drop_work_dir(job: Job) -> None:
+    """Remove the job's work directory unless the job ended in an error a requeue could resume."""
+    status = Job.objects.filter(pk=job.pk).values_list("status", flat=True).first()
+    if status != Job.Status.ERROR:
+        shutil.rmtree(work_dir(job.id), ignore_errors=True)
+
+
+def prune_work_dirs() -> None:
+    """Remove work directories no job will use: ended jobs', and failed jobs' once kept long enough."""
+    root = Path(settings.ARTIFACT_ROOT) / "work"
+    if not root.is_dir():
+        return
+    names = [p.name for p in root.iterdir()]
+    if not names:
+        return
+    cutoff = timezone.now() - timedelta(hours=settings.RESUME_KEEP_HOURS)
+    ended = dict(Job.objects.filter(pk__in=names).values_list("pk", "status"))
+    for name in names:
+        status = ended.get(name)
+        if status is None or status not in Job.TERMINAL:
+            continue  # still running (or not a job's): its worker owns it
+        if status == Job.Status.ERROR and Job.objects.filter(pk=name, finished_at__gte=cutoff).exists():
+            continue
+        shutil.rmtree(root / name, ignore_errors=True)
 
 
 def dispatch() -> list[str]:
@@ -277,6 +319,7 @@ def dispatch() -> list[str]:
     reap_dead_jobs()
     settle_unclaimed_cancellations()
     resend_stale_queued()
+    prune_work_dirs()
     queued: list[str] = []
     for kind in SupportedBase.WorkerKind.values:
         with transaction.atomic():
@@ -353,7 +396,8 @@ def reap_dead_jobs() -> None:
             )
         if ended:
             logger.warning("job %s: worker %s stopped sending heartbeats", job.id, job.worker)
-            shutil.rmtree(work_dir(job.id), ignore_errors=True)
+            if job.status == Job.Status.CANCEL_REQUESTED:
+                shutil.rmtree(work_dir(job.id), ignore_errors=True)
 
 
 def resend_stale_queued() -> None:

@@ -64,7 +64,7 @@ def prepare(job_id: str) -> str:
         return _run(job)
     finally:
         heartbeat.stop()
-        shutil.rmtree(services.work_dir(job.id), ignore_errors=True)
+        services.drop_work_dir(job)
 
 
 class Heartbeat(threading.Thread):
@@ -109,6 +109,9 @@ class Reporter:
         elif now - self.last_write >= PROGRESS_WRITE_SECONDS or fraction >= 1.0:
             self.last_write = now
             Job.objects.filter(pk=self.job.pk).update(progress=fraction, heartbeat_at=timezone.now())
+
+    def note(self, message: str) -> None:
+        self.job.event(services.STAGE_EVENT, message, data={"stage": self.stage})
 
     def should_cancel(self) -> bool:
         now = time.monotonic()
@@ -174,11 +177,17 @@ def _pipeline(job: Job, reporter: Reporter) -> Any:
         )
     recipe = dict(base.recipe)
     thresholds = recipe.pop("thresholds", None)
-    out = services.work_dir(job.id) / "output"
+    work = services.work_dir(job.id)
+    out = work / "output"
+    shutil.rmtree(out, ignore_errors=True)  # a checkpoint moved here by a run that died registering it
     out.parent.mkdir(parents=True, exist_ok=True)
     config = PipelineConfig(
         base_dir=weights,
         output_dir=out,
+        # What the run finished (calibrated layers, the export) stays here until the job ends for
+        # good, so a requeued job continues from there.
+        work_dir=work / "state",
+        device=settings.WORKER_DEVICE,
         quantization=base.quantization,
         adapter_dir=job.adapter_revision.directory,
         calibration_file=job.calibration_file.path if job.calibration_file else None,
@@ -195,6 +204,7 @@ def _pipeline(job: Job, reporter: Reporter) -> Any:
         thresholds=Thresholds(**thresholds) if thresholds else None,
         progress=reporter.progress,
         should_cancel=reporter.should_cancel,
+        notify=reporter.note,
         **recipe,
     )
     return run(config)

@@ -61,6 +61,8 @@ def _size(n: int) -> str:
 def summary(result: Any) -> str:
     lines = [
         f"Wrote {result.quantization} checkpoint to {result.output_dir}",
+        f"  computed on    {result.device}"
+        + (f", resumed from layer {result.resumed_from_layer + 1}" if result.resumed_from_layer else ""),
         f"  size           {_size(result.output_bytes)} (BF16 merged: {_size(result.bf16_bytes)}, "
         f"{result.output_bytes / result.bf16_bytes:.2f}x)",
         "  time per stage " + ", ".join(f"{k} {v:.1f}s" for k, v in result.stage_seconds.items()),
@@ -103,7 +105,11 @@ def cmd_quantize(args: argparse.Namespace) -> int:
         eval_file=args.eval_file,
         calibration_tokens=args.calibration_tokens,
         user_token_minimum=args.user_token_minimum,
+        device=args.device,
+        work_dir=args.work_dir,
+        quality_gate=not args.no_quality_gate,
         progress=bars,
+        notify=lambda message: print(message, file=sys.stderr),
     )
     try:
         result = run(config)
@@ -120,6 +126,8 @@ def cmd_quantize(args: argparse.Namespace) -> int:
         print("cancelled: nothing was written", file=sys.stderr)
         return EXIT_CANCELLED
     bars.close()
+    for miss in result.quality_misses:
+        print(f"warning: below the recipe's bar: {miss}", file=sys.stderr)
     if args.json:
         print(json.dumps(result.to_dict(), indent=2, default=str))
     else:
@@ -149,6 +157,21 @@ def _add_run_options(p: argparse.ArgumentParser) -> None:
         choices=("nvfp4", "mxfp4", "fp8"),
         default="nvfp4",
         help="output format (default nvfp4)",
+    )
+    p.add_argument(
+        "--device",
+        default="auto",
+        help="auto (a CUDA device when there is one), cpu, cuda or cuda:N (default auto)",
+    )
+    p.add_argument(
+        "--work-dir",
+        type=Path,
+        help="keep resumable state here: a rerun with the same inputs continues from the last finished layer",
+    )
+    p.add_argument(
+        "--no-quality-gate",
+        action="store_true",
+        help="write the checkpoint even if it misses the recipe's thresholds (each miss is a warning)",
     )
     p.add_argument("--json", action="store_true", help="print the result as JSON")
     p.add_argument("--quiet", action="store_true", help="no progress bars")

@@ -1,24 +1,50 @@
-"""Reading and writing Hugging Face checkpoint directories (config + safetensors).
+"""Reading Hugging Face checkpoint directories (config + safetensors), one tensor at a time.
 
 A base may be stored as block-scaled FP8 (E4M3 weights with a ``weight_scale_inv`` per 128x128
 block, as FP8 releases of large MoE models ship); ``TensorSource`` dequantizes those to BF16 on read.
+
+Tensors are read with ``preadv`` into fresh buffers rather than through safetensors' memory map:
+pages of a mapped file count towards the process's resident set for as long as the file stays
+open, so streaming a 1.5 TB base through a map would show (and, under memory pressure, cost) far
+more than the one layer we hold.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import re
-from collections.abc import Iterator
+import struct
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import safe_open
 
 from .errors import UserError
 
 FP8_BLOCK = 128
 SCALE_INV_SUFFIX = "_scale_inv"
+READ_CHUNK = 1 << 30  # preadv moves at most ~2 GiB per call on Linux
+
+_DTYPES = {
+    "BOOL": torch.bool,
+    "U8": torch.uint8,
+    "I8": torch.int8,
+    "I16": torch.int16,
+    "U16": torch.uint16,
+    "I32": torch.int32,
+    "U32": torch.uint32,
+    "I64": torch.int64,
+    "U64": torch.uint64,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "F32": torch.float32,
+    "F64": torch.float64,
+    "F8_E4M3": torch.float8_e4m3fn,
+    "F8_E5M2": torch.float8_e5m2,
+    "F8_E8M0": torch.float8_e8m0fnu,
+}
 
 
 def read_config(directory: Path) -> dict[str, Any]:
@@ -42,6 +68,45 @@ def safetensors_files(directory: Path) -> list[Path]:
     return files
 
 
+class SafetensorsFile:
+    """One .safetensors file: its header parsed once, each tensor read on demand."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        try:
+            with path.open("rb") as f:
+                (length,) = struct.unpack("<Q", f.read(8))
+                header = json.loads(f.read(length))
+        except (OSError, struct.error, json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise UserError(f"{path} is not a readable safetensors file ({exc})") from None
+        header.pop("__metadata__", None)
+        self.entries: dict[str, dict[str, Any]] = header
+        self.data_start = 8 + length
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self.entries[name]["shape"])
+
+    def dtype(self, name: str) -> torch.dtype:
+        return _DTYPES[self.entries[name]["dtype"]]
+
+    def read(self, name: str) -> torch.Tensor:
+        entry = self.entries[name]
+        start, end = entry["data_offsets"]
+        raw = torch.empty(end - start, dtype=torch.uint8)
+        view = memoryview(raw.numpy())
+        fd = os.open(self.path, os.O_RDONLY)
+        try:
+            done = 0
+            while done < len(view):
+                n = os.preadv(fd, [view[done : done + READ_CHUNK]], self.data_start + start + done)
+                if n <= 0:
+                    raise UserError(f"{self.path} is truncated: {name} ends past the end of the file")
+                done += n
+        finally:
+            os.close(fd)
+        return raw.view(_DTYPES[entry["dtype"]]).reshape(entry["shape"])
+
+
 def dequantize_fp8_blocks(weight: torch.Tensor, scale_inv: torch.Tensor) -> torch.Tensor:
     """E4M3 weight times its per-128x128-block inverse scale, in fp32."""
     rows, cols = weight.shape
@@ -54,11 +119,13 @@ class TensorSource:
 
     def __init__(self, directory: Path) -> None:
         self.directory = directory
-        self._where: dict[str, Path] = {}
+        self._where: dict[str, SafetensorsFile] = {}
         for path in safetensors_files(directory):
-            with safe_open(str(path), "pt") as f:
-                for key in f.keys():  # noqa: SIM118 - safe_open is not a mapping
-                    self._where[key] = path
+            if not path.is_file():
+                raise UserError(f"{directory}: the index names {path.name}, which is missing")
+            file = SafetensorsFile(path)
+            for key in file.entries:
+                self._where[key] = file
 
     def names(self) -> list[str]:
         return [k for k in self._where if not k.endswith(SCALE_INV_SUFFIX)]
@@ -67,54 +134,80 @@ class TensorSource:
         return name in self._where
 
     def raw(self, name: str) -> torch.Tensor:
-        with safe_open(str(self._where[name]), "pt") as f:
-            return f.get_tensor(name)
+        return self._where[name].read(name)
 
     def shape(self, name: str) -> tuple[int, ...]:
-        with safe_open(str(self._where[name]), "pt") as f:
-            return tuple(f.get_slice(name).get_shape())
+        return self._where[name].shape(name)
 
-    def get(self, name: str, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
-        tensor = self.raw(name)
+    def stored_dtype(self, name: str) -> torch.dtype:
+        return self._where[name].dtype(name)
+
+    def get(self, name: str, dtype: torch.dtype = torch.bfloat16, device: torch.device | str = "cpu") -> torch.Tensor:
+        """The tensor in ``dtype`` on ``device`` (FP8 blocks are dequantized there)."""
+        tensor = self.raw(name).to(device)
         scale_name = name + SCALE_INV_SUFFIX
         if tensor.dtype == torch.float8_e4m3fn:
             if scale_name not in self._where:
                 raise UserError(f"{name} is stored as FP8 without its {scale_name} block scales")
-            tensor = dequantize_fp8_blocks(tensor, self.raw(scale_name))
+            tensor = dequantize_fp8_blocks(tensor, self.raw(scale_name).to(device))
         return tensor.to(dtype)
 
     def items(self, dtype: torch.dtype = torch.bfloat16) -> Iterator[tuple[str, torch.Tensor]]:
-        by_file: dict[Path, list[str]] = {}
         for name in self.names():
-            by_file.setdefault(self._where[name], []).append(name)
-        for names in by_file.values():
-            for name in names:
-                yield name, self.get(name, dtype)
+            yield name, self.get(name, dtype)
 
 
 _EXPERT = re.compile(r"^(?P<prefix>.+\.experts)\.(?P<e>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)\.weight$")
 
 
-def fold_experts(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Per-expert 2-D weights (as checkpoints store them) into transformers' fused experts.
+class ExpertLayout:
+    """How checkpoints' per-expert 2-D weights map onto transformers' fused expert tensors.
 
-    ``experts.{e}.{gate,up}_proj.weight`` become ``experts.gate_up_proj[e]`` (gate rows first)
-    and ``experts.{e}.down_proj.weight`` becomes ``experts.down_proj[e]``.
+    ``experts.{e}.{gate,up}_proj.weight`` become ``experts.gate_up_proj[e]`` (gate rows first) and
+    ``experts.{e}.down_proj.weight`` becomes ``experts.down_proj[e]``.
     """
-    experts: dict[str, dict[int, dict[str, torch.Tensor]]] = {}
-    out = {}
-    for name, tensor in tensors.items():
-        match = _EXPERT.match(name)
-        if match:
-            experts.setdefault(match["prefix"], {}).setdefault(int(match["e"]), {})[match["proj"]] = tensor
-        else:
-            out[name] = tensor
-    for prefix, by_expert in experts.items():
-        order = [by_expert[e] for e in sorted(by_expert)]
-        out[f"{prefix}.gate_up_proj"] = torch.stack(
-            [torch.cat((p["gate_proj"], p["up_proj"])) for p in order]
-        )
-        out[f"{prefix}.down_proj"] = torch.stack([p["down_proj"] for p in order])
+
+    def __init__(self, names: list[str]) -> None:
+        self.fused: dict[str, list[list[str]]] = {}  # fused name -> per expert, the stored names
+        by_prefix: dict[str, dict[int, dict[str, str]]] = {}
+        self.plain: list[str] = []
+        for name in names:
+            match = _EXPERT.match(name)
+            if match:
+                by_prefix.setdefault(match["prefix"], {}).setdefault(int(match["e"]), {})[match["proj"]] = name
+            else:
+                self.plain.append(name)
+        for prefix, experts in by_prefix.items():
+            order = [experts[e] for e in sorted(experts)]
+            self.fused[f"{prefix}.gate_up_proj"] = [[p["gate_proj"], p["up_proj"]] for p in order]
+            self.fused[f"{prefix}.down_proj"] = [[p["down_proj"]] for p in order]
+
+    def names(self) -> list[str]:
+        """The names a transformers model built from the config uses."""
+        return self.plain + list(self.fused)
+
+    def parts(self, name: str) -> list[list[str]] | None:
+        return self.fused.get(name)
+
+
+def fold(
+    parts: list[list[str]], read: Callable[[str], torch.Tensor], shape: Callable[[str], tuple[int, ...]]
+) -> torch.Tensor:
+    """One fused expert tensor from the per-expert ones (each expert's parts stacked by rows).
+
+    Filled in place, so building it costs the fused tensor plus one expert's part.
+    """
+    rows = sum(shape(name)[0] for name in parts[0])
+    out: torch.Tensor | None = None
+    for e, names in enumerate(parts):
+        row = 0
+        for name in names:
+            tensor = read(name)
+            if out is None:
+                out = torch.empty((len(parts), rows, *tensor.shape[1:]), dtype=tensor.dtype, device=tensor.device)
+            out[e, row : row + tensor.shape[0]] = tensor
+            row += tensor.shape[0]
+    assert out is not None
     return out
 
 
@@ -125,44 +218,29 @@ def dense_config(config: dict[str, Any]) -> dict[str, Any]:
     return config
 
 
-def build_model(config: dict[str, Any], state_dict: dict[str, torch.Tensor]) -> torch.nn.Module:
-    """A transformers causal LM from a config dict, holding exactly these tensors."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-    from transformers.initialization import no_init_weights
+def hf_config(config: dict[str, Any], name_or_path: Path) -> Any:
+    """A transformers config object for a dense causal LM, ``architectures`` set."""
+    from transformers import AutoConfig
 
     config = dense_config(config)
-    state_dict = fold_experts(state_dict)
     model_type = config.pop("model_type", None)
     if model_type is None:
         raise UserError("config.json has no model_type")
-    hf_config = AutoConfig.for_model(model_type, **config)
-    if not getattr(hf_config, "architectures", None):
-        hf_config.architectures = [_causal_lm_class(hf_config)]
-    with no_init_weights():
-        model = AutoModelForCausalLM.from_config(hf_config, dtype=torch.bfloat16)
-    expected = set(model.state_dict())
-    tied = {k for k in expected if k not in state_dict and _is_tied(model, k)}
-    missing = sorted(expected - set(state_dict) - tied)
-    unexpected = sorted(set(state_dict) - expected)
-    if missing or unexpected:
-        raise UserError(
-            "the checkpoint's tensors do not match its config.json: "
-            f"missing {missing[:5]}, unexpected {unexpected[:5]}"
-        )
-    model.load_state_dict(state_dict, strict=False, assign=True)
-    model.tie_weights()
-    model.eval()
-    return model
+    try:
+        result = AutoConfig.for_model(model_type, **config)
+    except (ValueError, KeyError) as exc:
+        raise UserError(f"config.json: transformers does not know model_type {model_type!r} ({exc})") from None
+    if not getattr(result, "architectures", None):
+        result.architectures = [_causal_lm_class(result)]
+    # Export copies *.py files from here for remote-code models; never the working directory's.
+    result._name_or_path = str(name_or_path)
+    return result
 
 
-def _is_tied(model: torch.nn.Module, key: str) -> bool:
-    return key.startswith("lm_head.") and bool(getattr(model.config, "tie_word_embeddings", False))
-
-
-def _causal_lm_class(hf_config: Any) -> str:
+def _causal_lm_class(config: Any) -> str:
     from transformers import AutoModelForCausalLM
 
-    model_class: Any = AutoModelForCausalLM._model_mapping[type(hf_config)]
+    model_class: Any = AutoModelForCausalLM._model_mapping[type(config)]
     return str(model_class.__name__)
 
 

@@ -6,7 +6,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from .progress import CancelCheck, ProgressCallback
+from .progress import CancelCheck, NoteCallback, ProgressCallback
 
 if TYPE_CHECKING:
     from .recipes import Thresholds
@@ -37,16 +37,26 @@ class PipelineConfig:
     parity_prompts: int = 16
     continuation_tokens: int = 16
     seed: int = 0
+    # auto (the first CUDA device when there is one), cpu, cuda or cuda:N.
+    device: str = "auto"
+    # Where the run keeps what lets it resume (calibrated layers, the export): a run with the same
+    # inputs and the same work_dir continues where the last one stopped. None: a temporary
+    # directory beside output_dir, removed at the end.
+    work_dir: Path | None = None
+    # False: a checkpoint that misses its thresholds is still written; each miss is reported in
+    # the result and in fp4prep.json.
+    quality_gate: bool = True
     # Shown in the model card: base and adapter IDs, revision, job, ...
     lineage: dict[str, Any] = field(default_factory=dict)
     thresholds: Thresholds | None = None  # None: the recipe's own
     progress: ProgressCallback | None = None
     should_cancel: CancelCheck | None = None
+    notify: NoteCallback | None = None  # one-line news worth telling the user (a resumed run)
 
     def __post_init__(self) -> None:
         self.base_dir = Path(self.base_dir)
         self.output_dir = Path(self.output_dir)
-        for name in ("adapter_dir", "calibration_file", "general_text_file", "eval_file"):
+        for name in ("adapter_dir", "calibration_file", "general_text_file", "eval_file", "work_dir"):
             value = getattr(self, name)
             if value is not None:
                 setattr(self, name, Path(value))
@@ -106,6 +116,11 @@ class PipelineResult:
     expert_tokens: dict[str, list[int]]
     checks: list[str]
     task: TaskReport | None = None
+    device: str = "cpu"
+    # Thresholds the checkpoint missed; empty unless the quality gate was off.
+    quality_misses: list[str] = field(default_factory=list)
+    # The decoder layer calibration resumed from, when an earlier run had got that far.
+    resumed_from_layer: int | None = None
 
     def to_dict(self) -> dict[str, Any]:
         data = asdict(self)

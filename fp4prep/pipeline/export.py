@@ -24,18 +24,67 @@ from .recipes import Recipe
 
 QUANT_CONFIG_FILE = "hf_quant_config.json"
 LINEAGE_FILE = "fp4prep.json"
+# ModelOpt's streaming exporter buffers one shard in memory before writing it.
+SHARD_BYTES = 1 << 30
 
 
 def export(model: torch.nn.Module, recipe: Recipe, tokenizer: Any, output_dir: Path) -> None:
-    """ModelOpt's unified export, then our layout fix-ups and the tokenizer."""
+    """ModelOpt's unified export, then our layout fix-ups and the tokenizer.
+
+    On a model from ``streaming.build`` ModelOpt takes its streaming path: each decoder layer is
+    materialized, quantized to its packed form and added to the current shard, then dropped.
+    """
     from modelopt.torch.export import export_hf_checkpoint
 
+    from .quantize import quiet
+
     output_dir.mkdir(parents=True, exist_ok=True)
-    with torch.no_grad():
-        export_hf_checkpoint(model, dtype=torch.bfloat16, export_dir=output_dir)
+    with torch.no_grad(), quiet():
+        export_hf_checkpoint(model, dtype=torch.bfloat16, export_dir=output_dir, max_shard_size=SHARD_BYTES)
+    to_bf16(output_dir)
     tokenizer.save_pretrained(output_dir)
     if recipe.layout == "compressed-tensors":
         to_compressed_tensors(output_dir, output_dir, activations=recipe.activations_quantized)
+
+
+def to_bf16(directory: Path) -> None:
+    """Cast unquantized weights that ModelOpt wrote in FP32 back to BF16, the merged model's dtype.
+
+    ModelOpt's streaming export writes unquantized tensors in the dtype the model computed in: FP32
+    on CPUs without native BF16, and FP32 for modules transformers keeps in FP32 (MoE routers).
+    Their values are BF16 values (the merged model is BF16), so the cast is exact. Scales stay as
+    ModelOpt wrote them; a shard is rewritten only if it holds such a tensor.
+    """
+    for path in sorted(directory.glob("*.safetensors")):
+        with safe_open(str(path), "pt") as f:
+            keys = list(f.keys())
+            quantized = {k.rpartition(".")[0] for k in keys if k.endswith(".weight_scale")}
+            cast = [
+                k
+                for k in keys
+                if k.rpartition(".")[0] not in quantized
+                and k.endswith((".weight", ".bias"))
+                and f.get_slice(k).get_dtype() in ("F32", "F64")
+            ]
+            if not cast:
+                continue
+            tensors = {k: f.get_tensor(k) for k in keys}
+        for k in cast:
+            tensors[k] = tensors[k].to(torch.bfloat16)
+        save_file(tensors, str(path), metadata={"format": "pt"})
+    index = directory / "model.safetensors.index.json"
+    if index.is_file():
+        data = json.loads(index.read_text())
+        data.setdefault("metadata", {})["total_size"] = sum(
+            p.stat().st_size for p in directory.glob("*.safetensors")
+        )
+        index.write_text(json.dumps(data, indent=2))
+    config_path = directory / "config.json"
+    config = json.loads(config_path.read_text())
+    for key in ("dtype", "torch_dtype"):
+        if key in config:
+            config[key] = "bfloat16"
+    config_path.write_text(json.dumps(config, indent=2) + "\n")
 
 
 def _fnmatch_to_ct(pattern: str) -> str:

@@ -3,6 +3,10 @@
 ``W' = W + scaling * (B @ A)`` with ``scaling = lora_alpha / r`` (``/ sqrt(r)`` under rsLoRA),
 per-module ``rank_pattern`` / ``alpha_pattern`` honoured. Anything the adapter can't be applied to
 as it stands is refused with a message naming the module.
+
+Nothing here holds a whole model: ``plan`` works from tensor shapes, and each update reads its two
+LoRA matrices only when its weight is merged (adapters on every expert of a large MoE base run to
+gigabytes).
 """
 
 from __future__ import annotations
@@ -10,13 +14,14 @@ from __future__ import annotations
 import json
 import math
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import load_file
 
+from .checkpoint import SafetensorsFile
 from .errors import UserError
 
 PEFT_PREFIX = "base_model.model."
@@ -29,22 +34,43 @@ _LORA_KEY = re.compile(
 class Adapter:
     directory: Path
     config: dict[str, Any]
-    tensors: dict[str, torch.Tensor]
+    shapes: dict[str, tuple[int, ...]]  # stored name -> shape
+    read: Callable[[str], torch.Tensor]  # stored name -> tensor, read on demand
 
 
 @dataclass
 class LoraUpdate:
-    """One targeted weight and its low-rank change."""
+    """One targeted weight and its low-rank change, read from the adapter when it is applied."""
 
     target: str  # the base tensor's name
-    a: torch.Tensor  # [r, in]
-    b: torch.Tensor  # [out, r]
+    a_name: str  # [r, in]
+    b_name: str  # [out, r]
     scaling: float
-    embedding: bool = False
+    embedding: bool
+    transposed: bool  # fan_in_fan_out: the stored matrices are B^T and A^T
+    read: Callable[[str], torch.Tensor]
+
+    def factors(self, device: torch.device | str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
+        """``(left, right)`` in fp32 such that the change is ``scaling * left @ right``."""
+        a = self.read(self.a_name).to(device, torch.float32)
+        b = self.read(self.b_name).to(device, torch.float32)
+        if self.transposed:
+            a, b = b.T, a.T
+        return (a.T, b.T) if self.embedding else (b, a)
 
     def delta(self) -> torch.Tensor:
-        product = self.b.float() @ self.a.float()
-        return (product.T if self.embedding else product) * self.scaling
+        left, right = self.factors()
+        return (left @ right) * self.scaling
+
+    def apply(self, weight: torch.Tensor) -> torch.Tensor:
+        """``weight`` with the change added in fp32 and rounded once to ``weight``'s dtype.
+
+        Computed where ``weight`` is (on the GPU when it is there), in one fused multiply-add.
+        """
+        left, right = self.factors(weight.device)
+        merged = weight.to(torch.float32, copy=True)
+        merged.addmm_(left, right, alpha=self.scaling)
+        return merged.to(weight.dtype)
 
 
 def load_adapter(directory: Path) -> Adapter:
@@ -59,10 +85,15 @@ def load_adapter(directory: Path) -> Adapter:
     except json.JSONDecodeError as exc:
         raise UserError(f"{config_path}: not valid JSON ({exc})") from None
     weights = directory / "adapter_model.safetensors"
+    read: Callable[[str], torch.Tensor]
     if weights.is_file():
-        tensors = load_file(str(weights))
+        file = SafetensorsFile(weights)
+        shapes = {name: file.shape(name) for name in file.entries}
+        read = file.read
     elif (directory / "adapter_model.bin").is_file():
         tensors = torch.load(directory / "adapter_model.bin", map_location="cpu", weights_only=True)
+        shapes = {name: tuple(t.shape) for name, t in tensors.items()}
+        read = tensors.__getitem__
     else:
         raise UserError(f"{directory} has no adapter weights: adapter_model.safetensors is missing")
     peft_type = str(config.get("peft_type", "")).upper()
@@ -70,7 +101,7 @@ def load_adapter(directory: Path) -> Adapter:
         raise UserError(f"the adapter is {peft_type or 'of unknown type'}, not a LoRA adapter")
     if config.get("use_dora"):
         raise UserError("DoRA adapters are not supported: train a plain LoRA adapter")
-    return Adapter(directory, config, tensors)
+    return Adapter(directory, config, shapes, read)
 
 
 def _pattern_value(patterns: dict[str, Any], module: str, default: Any) -> Any:
@@ -83,29 +114,30 @@ def _pattern_value(patterns: dict[str, Any], module: str, default: Any) -> Any:
 
 def plan(
     adapter: Adapter, base_shapes: dict[str, tuple[int, ...]]
-) -> tuple[list[LoraUpdate], dict[str, torch.Tensor]]:
+) -> tuple[list[LoraUpdate], dict[str, str]]:
     """The updates the adapter makes, checked against the base's tensor names and shapes.
 
-    Returns the LoRA updates and the full tensors the adapter replaces (``modules_to_save``).
+    Returns the LoRA updates and, for the tensors the adapter replaces whole (``modules_to_save``),
+    the base name -> the adapter's stored name.
     """
     config = adapter.config
-    pairs: dict[str, dict[str, torch.Tensor]] = {}
-    replacements: dict[str, torch.Tensor] = {}
-    for key, tensor in adapter.tensors.items():
+    pairs: dict[str, dict[str, str]] = {}
+    replacements: dict[str, str] = {}
+    for key, shape in adapter.shapes.items():
         name = key.removeprefix(PEFT_PREFIX)
         match = _LORA_KEY.match(name)
         if match:
-            pairs.setdefault(match["module"], {})[match["kind"]] = tensor
+            pairs.setdefault(match["module"], {})[match["kind"]] = key
         else:
             name = name.replace(".modules_to_save.default", "")
             if name not in base_shapes:
                 raise UserError(f"the adapter saves {name}, which the base model does not have")
-            if tuple(tensor.shape) != base_shapes[name]:
+            if shape != base_shapes[name]:
                 raise UserError(
-                    f"the adapter's {name} has shape {tuple(tensor.shape)}, "
+                    f"the adapter's {name} has shape {shape}, "
                     f"the base's {base_shapes[name]}: the adapter was trained on another base"
                 )
-            replacements[name] = tensor
+            replacements[name] = key
     if not pairs and not replacements:
         raise UserError("the adapter holds no LoRA weights")
 
@@ -125,14 +157,18 @@ def plan(
             continue
         r = int(_pattern_value(config.get("rank_pattern") or {}, module, r_default))
         alpha = float(_pattern_value(config.get("alpha_pattern") or {}, module, alpha_default))
-        if a.shape[0] != r or b.shape[1] != r:
-            r = a.shape[0]  # the tensors are the truth; PEFT saves them at their own rank
+        a_shape, b_shape = adapter.shapes[a], adapter.shapes[b]
+        transposed = bool(config.get("fan_in_fan_out"))
+        if transposed:
+            a_shape, b_shape = b_shape[::-1], a_shape[::-1]
+        if len(a_shape) != 2 or len(b_shape) != 2:
+            raise UserError(f"the adapter's {module} LoRA matrices are not 2-D: {a_shape} and {b_shape}")
+        if a_shape[0] != r or b_shape[1] != r:
+            r = a_shape[0]  # the tensors are the truth; PEFT saves them at their own rank
         scaling = alpha / math.sqrt(r) if config.get("use_rslora") else alpha / r
-        if config.get("fan_in_fan_out"):
-            a, b = b.T, a.T
-        update = LoraUpdate(target, a, b, scaling, embedding)
+        update = LoraUpdate(target, a, b, scaling, embedding, transposed, adapter.read)
         expected = base_shapes[target]
-        got = (a.shape[1], b.shape[0]) if embedding else (b.shape[0], a.shape[1])
+        got = (a_shape[1], b_shape[0]) if embedding else (b_shape[0], a_shape[1])
         if got != expected:
             raise UserError(
                 f"the adapter's {module} makes a {got[0]}x{got[1]} change, but the base's {target} "
@@ -144,7 +180,7 @@ def plan(
             f"the adapter targets modules the base model does not have: {', '.join(missing[:5])}"
             + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
         )
-    if updates and all(not torch.any(u.b) for u in updates):
+    if updates and not any(torch.any(adapter.read(u.b_name)) for u in updates):
         raise UserError(
             "every LoRA-B matrix in the adapter is zero, so it changes nothing: "
             "it was saved before training updated it"
@@ -153,12 +189,14 @@ def plan(
 
 
 def merge(state_dict: dict[str, torch.Tensor], adapter: Adapter) -> list[str]:
-    """Apply the adapter to ``state_dict`` in place; returns the names of the changed tensors."""
+    """Apply the adapter to a whole ``state_dict`` in place; returns the names of the changed tensors.
+
+    For small models and comparisons; the pipeline merges one tensor at a time (``weights``).
+    """
     shapes = {k: tuple(v.shape) for k, v in state_dict.items()}
     updates, replacements = plan(adapter, shapes)
     for update in updates:
-        weight = state_dict[update.target]
-        state_dict[update.target] = (weight.float() + update.delta()).to(weight.dtype)
-    for name, tensor in replacements.items():
-        state_dict[name] = tensor.to(state_dict[name].dtype)
+        state_dict[update.target] = update.apply(state_dict[update.target])
+    for name, stored in replacements.items():
+        state_dict[name] = adapter.read(stored).to(state_dict[name].dtype)
     return sorted({u.target for u in updates} | set(replacements))

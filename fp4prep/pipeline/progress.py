@@ -13,6 +13,7 @@ STAGES = ("merging", "calibrating", "quantizing", "exporting", "validating")
 
 ProgressCallback = Callable[[str, float], None]
 CancelCheck = Callable[[], bool]
+NoteCallback = Callable[[str], None]
 
 
 @dataclass

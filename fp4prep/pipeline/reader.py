@@ -1,24 +1,28 @@
 """An independent reader of the checkpoints we write: our own decoding, not ModelOpt's.
 
-It dequantizes the safetensors into a dense BF16 transformers model and, where the format
-quantizes activations, applies the same activation quantization a serving engine applies (from
-the stored input scales). The model it returns computes what the checkpoint describes, so its
-logits are compared with the calibrated fake-quant model's and, in parity, with the BF16 model's.
+It dequantizes the safetensors into a dense transformers model, one tensor at a time as each layer
+runs, and, where the format quantizes activations, applies the same activation quantization a
+serving engine applies (from the stored input scales). The model it returns computes what the
+checkpoint describes, so its logits are compared with the calibrated fake-quant model's and, in
+parity, with the BF16 model's.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from functools import partial
+from functools import cached_property, partial
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from . import fakequant
-from .checkpoint import TensorSource, build_model, read_config
+from . import streaming
+from .checkpoint import TensorSource, read_config
+from .device import Compute
 from .errors import PipelineError
+from .streaming import LazyWeights
 
 E2M1_LUT = torch.tensor(
     [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0]
@@ -61,23 +65,29 @@ def detect_layout(config: dict[str, Any]) -> Layout:
     raise PipelineError(f"the reader does not know quant_method {method!r}")
 
 
+# Both values of every packed byte: byte -> (value of the low nibble, value of the high nibble).
+E2M1_PAIRS = torch.stack((E2M1_LUT.repeat(16), E2M1_LUT.repeat_interleave(16)), dim=-1)
+
+
 def unpack_e2m1(packed: torch.Tensor) -> torch.Tensor:
     """uint8 ``[..., K/2]`` (low nibble = even element) to float32 values ``[..., K]``."""
-    codes = torch.stack((packed & 0x0F, packed >> 4), dim=-1).reshape(*packed.shape[:-1], -1)
-    return E2M1_LUT[codes.long()]
+    return E2M1_PAIRS.to(packed.device)[packed.int()].reshape(*packed.shape[:-1], -1)
+
+
+def _scale_blocks(values: torch.Tensor, steps: torch.Tensor) -> torch.Tensor:
+    """Each block of ``values`` (the last dimension, split in ``steps.shape[-1]`` blocks) times its step."""
+    blocks = values.reshape(*steps.shape, -1)
+    return (blocks * steps.unsqueeze(-1)).reshape(values.shape)
 
 
 def dequantize_nvfp4(packed: torch.Tensor, block_scale: torch.Tensor, global_scale: float) -> torch.Tensor:
-    values = unpack_e2m1(packed)
     # Scale times global first, as engines and ModelOpt do: the rounding order shows in BF16.
     steps = block_scale.float() * torch.tensor(global_scale, dtype=torch.float32)
-    return values * steps.repeat_interleave(values.shape[-1] // block_scale.shape[-1], -1)
+    return _scale_blocks(unpack_e2m1(packed), steps)
 
 
 def dequantize_mxfp4(packed: torch.Tensor, exponents: torch.Tensor) -> torch.Tensor:
-    values = unpack_e2m1(packed)
-    steps = torch.exp2(exponents.float() - 127).repeat_interleave(values.shape[-1] // exponents.shape[-1], -1)
-    return values * steps
+    return _scale_blocks(unpack_e2m1(packed), torch.exp2(exponents.float() - 127))
 
 
 def _scalar(t: torch.Tensor) -> float:
@@ -88,48 +98,69 @@ def _scalar(t: torch.Tensor) -> float:
 ActivationQuant = Callable[[torch.Tensor], torch.Tensor]
 
 
-def read_tensors(
-    directory: Path,
-) -> tuple[dict[str, Any], dict[str, torch.Tensor], dict[str, ActivationQuant]]:
-    """Dense BF16 tensors and per-module activation quantizers from a quantized checkpoint."""
-    config = read_config(directory)
-    layout = detect_layout(config)
-    source = TensorSource(directory)
-    names = set(source.names())
-    dense: dict[str, torch.Tensor] = {}
-    activations: dict[str, ActivationQuant] = {}
-    quantized = {n[: -len(".weight_scale")] for n in names if n.endswith(".weight_scale")}
-    for name in sorted(names):
-        module, _, leaf = name.rpartition(".")
-        if module not in quantized:
-            dense[name] = source.raw(name).to(torch.bfloat16)
-            continue
-        if leaf != layout.packed_name:
-            continue
-        packed = source.raw(name)
-        scale = source.raw(f"{module}.weight_scale")
+class DequantizedWeights(LazyWeights):
+    """A quantized checkpoint's weights, dense, each dequantized when it is read.
+
+    ``activations`` holds, per quantized module, the activation quantization a serving engine
+    applies to its input (from the stored input scales).
+    """
+
+    def __init__(self, directory: Path, dtype: torch.dtype = torch.bfloat16, device: torch.device | str = "cpu") -> None:
+        self.config = read_config(directory)
+        self.format = detect_layout(self.config)
+        self.source = TensorSource(directory)
+        names = set(self.source.names())
+        self.quantized = {n[: -len(".weight_scale")] for n in names if n.endswith(".weight_scale")}
+        dense = [n for n in sorted(names) if n.rpartition(".")[0] not in self.quantized]
+        dense += [f"{m}.weight" for m in sorted(self.quantized)]
+        super().__init__(dense, dtype, device)
+
+    @cached_property
+    def activations(self) -> dict[str, ActivationQuant]:
+        names = set(self.source.names())
+        return {m: q for m in sorted(self.quantized) if (q := self._activation_quant(m, names))}
+
+    def stored_shape(self, name: str) -> tuple[int, ...]:
+        module = name.rpartition(".")[0]
+        if module not in self.quantized:
+            return self.source.shape(name)
+        shape = self.source.shape(f"{module}.{self.format.packed_name}")
+        return shape if self.format.scheme == "fp8" else (*shape[:-1], shape[-1] * 2)
+
+    def stored(self, name: str) -> torch.Tensor:
+        module = name.rpartition(".")[0]
+        if module not in self.quantized:
+            return self.source.raw(name).to(self.device, self.dtype)
+        layout, source = self.format, self.source
+        packed = source.raw(f"{module}.{layout.packed_name}").to(self.device)
+        scale = source.raw(f"{module}.weight_scale").to(self.device)
         if layout.scheme == "nvfp4":
             g_name = "weight_global_scale" if layout.reciprocal_globals else "weight_scale_2"
             g = _scalar(source.raw(f"{module}.{g_name}"))
             weight = dequantize_nvfp4(packed, scale, 1.0 / g if layout.reciprocal_globals else g)
-            i_name = "input_global_scale" if layout.reciprocal_globals else "input_scale"
-            if f"{module}.{i_name}" in names:
-                s = _scalar(source.raw(f"{module}.{i_name}"))
-                amax = torch.tensor(NVFP4_GLOBAL / s if layout.reciprocal_globals else NVFP4_GLOBAL * s)
-                activations[module] = partial(fakequant.nvfp4_fake_quant, block_size=16, global_amax=amax)
         elif layout.scheme == "mxfp4":
             weight = dequantize_mxfp4(packed, scale)
-            if layout.dynamic_inputs:
-                activations[module] = partial(fakequant.mxfp4_fake_quant, block_size=32)
         else:
             weight = packed.float() * scale.float().reshape(-1, *([1] * (packed.dim() - 1)))
-            if f"{module}.input_scale" in names and not layout.dynamic_inputs:
-                amax = source.raw(f"{module}.input_scale").float() * fakequant.E4M3_MAX
-                activations[module] = partial(fakequant.fp8_fake_quant, amax=amax)
-            if layout.dynamic_inputs:
-                activations[module] = fakequant.per_token_fp8_fake_quant
-        dense[f"{module}.weight"] = weight.to(torch.bfloat16)
-    return config, dense, activations
+        return weight.to(self.dtype)
+
+    def _activation_quant(self, module: str, names: set[str]) -> ActivationQuant | None:
+        layout, source = self.format, self.source
+        if layout.scheme == "nvfp4":
+            i_name = "input_global_scale" if layout.reciprocal_globals else "input_scale"
+            if f"{module}.{i_name}" not in names:
+                return None
+            s = _scalar(source.raw(f"{module}.{i_name}"))
+            amax = torch.tensor(NVFP4_GLOBAL / s if layout.reciprocal_globals else NVFP4_GLOBAL * s)
+            return partial(fakequant.nvfp4_fake_quant, block_size=16, global_amax=amax)
+        if layout.scheme == "mxfp4":
+            return partial(fakequant.mxfp4_fake_quant, block_size=32) if layout.dynamic_inputs else None
+        if layout.dynamic_inputs:
+            return fakequant.per_token_fp8_fake_quant
+        if f"{module}.input_scale" in names:
+            amax = source.raw(f"{module}.input_scale").float() * fakequant.E4M3_MAX
+            return partial(fakequant.fp8_fake_quant, amax=amax)
+        return None
 
 
 def _identity(x: torch.Tensor) -> torch.Tensor:
@@ -157,21 +188,22 @@ def _quantized_experts_forward(
     return forward
 
 
-def load(directory: Path, quantize_activations: bool = True) -> torch.nn.Module:
-    """The checkpoint as a dense model that computes what a serving engine computes."""
-    config, tensors, activations = read_tensors(directory)
-    model = build_model(config, tensors)
-    if not quantize_activations:
-        return model
-    for name, module in model.named_modules():
-        if name in activations:
-            module.register_forward_pre_hook(
-                lambda m, args, q=activations[name]: (q(args[0]),) + tuple(args[1:])
-            )
-        gate_up = getattr(module, "gate_up_proj", None)
-        if isinstance(gate_up, torch.Tensor) and gate_up.dim() == 3:
-            n = gate_up.shape[0]
-            gu = [activations.get(f"{name}.{e}.gate_proj", _identity) for e in range(n)]
-            down = [activations.get(f"{name}.{e}.down_proj", _identity) for e in range(n)]
-            module.forward = _quantized_experts_forward(module, gu, down)
-    return model
+def load(directory: Path, compute: Compute, quantize_activations: bool = True) -> torch.nn.Module:
+    """The checkpoint as a model that computes what a serving engine computes, one layer at a time."""
+    weights = DequantizedWeights(directory, compute.dtype, compute.device)
+    activations = weights.activations if quantize_activations else {}
+
+    def engine_numerics(model: torch.nn.Module) -> None:
+        for name, module in model.named_modules():
+            if name in activations:
+                module.register_forward_pre_hook(
+                    lambda m, args, q=activations[name]: (q(args[0]),) + tuple(args[1:])
+                )
+            gate_up = getattr(module, "gate_up_proj", None)
+            if activations and isinstance(gate_up, torch.Tensor) and gate_up.dim() == 3:
+                n = gate_up.shape[0]
+                gu = [activations.get(f"{name}.{e}.gate_proj", _identity) for e in range(n)]
+                down = [activations.get(f"{name}.{e}.down_proj", _identity) for e in range(n)]
+                module.forward = _quantized_experts_forward(module, gu, down)
+
+    return streaming.build(weights.config, weights, compute, directory, before_hooks=engine_numerics)

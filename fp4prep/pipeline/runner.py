@@ -1,16 +1,26 @@
 """The one entry point: ``run(config) -> result``.
 
 merge -> calibrate -> quantize -> export -> validate, each stage reporting progress and checking for
-cancellation. Output is written to a temporary sibling directory and moved into place only after
-validation passed, so a failed or cancelled run leaves nothing half-written.
+cancellation, with one decoder layer's weights in memory at a time: the merged model is a lazy map
+over the base's files (``weights``), read layer by layer by a model whose weights live on the meta
+device (``streaming``); ModelOpt calibrates it layer by layer and exports it shard by shard; the
+reference and the checkpoint are both streamed again for validation.
+
+What a run has finished is kept in its work directory (ModelOpt's per-layer calibration checkpoint,
+then the calibrated quantizers, then the export), so a run that stops (a dead worker, a requeued
+job, Ctrl-C) continues from there. The checkpoint is moved into ``output_dir`` only after it passed
+validation, so a failed or cancelled run leaves nothing half-written there.
 """
 
 from __future__ import annotations
 
+import contextlib
 import gc
+import json
 import logging
 import shutil
 import tempfile
+from collections.abc import Iterator
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -18,17 +28,22 @@ from typing import Any
 import torch
 
 from . import corpus as corpus_mod
+from . import device as device_mod
 from . import export as export_mod
-from . import merge as merge_mod
-from . import quantize, reader, validate
-from .checkpoint import TensorSource, build_model, directory_bytes, read_config
+from . import limits, quantize, reader, streaming, validate
+from .checkpoint import TensorSource, directory_bytes, read_config
 from .config import EVAL_FILE, PipelineConfig, PipelineResult, TaskReport
 from .errors import Cancelled, PipelineError, UserError
+from .merge import load_adapter
 from .progress import Progress
-from .recipes import get_recipe
+from .recipes import Recipe, Thresholds, get_recipe
+from .weights import MergedWeights
 
 logger = logging.getLogger(__name__)
 RELOAD_CHECK_TOKENS = 128
+STATE_FILE = "run.json"  # what the work directory's state was made from
+CALIBRATED_FILE = "calibrated.pt"
+EXPORTED_MARK = "exported"
 
 
 def run(config: PipelineConfig) -> PipelineResult:
@@ -36,21 +51,39 @@ def run(config: PipelineConfig) -> PipelineResult:
     thresholds = config.thresholds or recipe.thresholds
     progress = Progress(config.progress, config.should_cancel)
     _check_output_dir(config.output_dir)
+    compute = device_mod.resolve(config.device)
+    streaming.return_freed_memory()
     progress.check()
     config.output_dir.parent.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(config.seed)
-    with tempfile.TemporaryDirectory(prefix=".fp4prep-", dir=config.output_dir.parent) as tmp:
-        work = Path(tmp)
+    with _work_dir(config) as work:
         try:
-            result = _run(config, recipe, thresholds, progress, work)
+            result = _run(config, recipe, thresholds, progress, work, compute)
         except (UserError, PipelineError, Cancelled):
             raise
         except Exception as exc:
             logger.exception("pipeline failed")
             raise PipelineError(f"internal error during {progress.current}: {exc}") from exc
         shutil.move(str(work / "out"), str(config.output_dir))
+        if config.work_dir is not None:  # done: nothing is left to resume
+            _clear(work)
     result.output_dir = config.output_dir
     return result
+
+
+def _clear(directory: Path) -> None:
+    for child in directory.iterdir():
+        shutil.rmtree(child) if child.is_dir() else child.unlink()
+
+
+@contextlib.contextmanager
+def _work_dir(config: PipelineConfig) -> Iterator[Path]:
+    if config.work_dir is None:
+        with tempfile.TemporaryDirectory(prefix=".fp4prep-", dir=config.output_dir.parent) as tmp:
+            yield Path(tmp)
+        return
+    config.work_dir.mkdir(parents=True, exist_ok=True)
+    yield config.work_dir
 
 
 def _check_output_dir(path: Path) -> None:
@@ -60,23 +93,63 @@ def _check_output_dir(path: Path) -> None:
         path.rmdir()
 
 
+def _claim_state(work: Path, fingerprint: dict[str, Any]) -> None:
+    """Keep the work directory's state only if it was made from these same inputs."""
+    path = work / STATE_FILE
+    try:
+        same = json.loads(path.read_text()) == fingerprint
+    except (OSError, ValueError):
+        same = False
+    if not same:
+        _clear(work)
+        path.write_text(json.dumps(fingerprint, indent=2) + "\n")
+
+
+def _fingerprint(config: PipelineConfig, compute: device_mod.Compute, sha: str | None) -> dict[str, Any]:
+    import fp4prep
+
+    return {
+        "fp4prep": fp4prep.__version__,
+        "base": str(config.base_dir.resolve()),
+        "adapter": str(config.adapter_dir.resolve()) if config.adapter_dir else None,
+        "calibration_sha256": sha,
+        "general_text": str(config.general_text_file) if config.general_text_file else None,
+        "quantization": config.quantization,
+        "calibration_tokens": config.calibration_tokens,
+        "sequence_length": config.sequence_length,
+        "user_token_minimum": config.user_token_minimum,
+        "seed": config.seed,
+        "device": compute.device.type,
+        "dtype": str(compute.dtype),
+    }
+
+
 def _run(
-    config: PipelineConfig, recipe: Any, thresholds: Any, progress: Progress, work: Path
+    config: PipelineConfig,
+    recipe: Recipe,
+    thresholds: Thresholds,
+    progress: Progress,
+    work: Path,
+    compute: device_mod.Compute,
 ) -> PipelineResult:
     out = work / "out"
     with progress.stage("merging"):
         base_config = read_config(config.base_dir)
         source = TensorSource(config.base_dir)
-        adapter = merge_mod.load_adapter(config.adapter_dir) if config.adapter_dir else None
-        state, targets = _merged(source, adapter)
-        progress.update(0.7)
-        model = build_model(base_config, state)
-        del state
+        adapter = load_adapter(config.adapter_dir) if config.adapter_dir else None
+        # Plans the merge against the base's shapes (refusing what can't apply); nothing is merged
+        # until a layer's weights are read.
+        merged = MergedWeights(source, adapter, compute.dtype, compute.device)
+        progress.update(0.5)
         tokenizer = _tokenizer(config.base_dir)
-        bf16_bytes = sum(p.numel() * p.element_size() for p in model.state_dict().values())
+        model = streaming.skeleton(base_config, merged, compute, config.base_dir)
+        bf16_bytes = 2 * sum(merged.numel(n) for n in merged)
+        total = max(config.calibration_tokens, 2 * config.user_token_minimum)
+        limits.check_memory(model, merged, compute, total)
+        limits.check_disk(merged, recipe, work, config.output_dir, int(model.config.hidden_size), total)
+        streaming.attach(model, merged, compute)
 
     with progress.stage("calibrating"):
-        total = max(config.calibration_tokens, 2 * config.user_token_minimum)
         corpus = corpus_mod.build(
             tokenizer,
             calibration_file=config.calibration_file,
@@ -89,31 +162,52 @@ def _run(
             seed=config.seed,
             report=progress.sub(0.0, 0.1),
         )
-        expert_tokens = quantize.calibrate(model, recipe, corpus.sequences, progress.sub(0.1, 1.0))
+        _claim_state(work, _fingerprint(config, compute, corpus.stats.calibration_sha256))
+        calibrated = work / CALIBRATED_FILE
+        resumed_from: int | None = None
+        if calibrated.is_file():
+            expert_tokens = quantize.restore_quantizers(model, calibrated, compute)["expert_tokens"]
+            resumed_from = len(streaming.decoder_layers(model)[1])
+            _note(config, f"Resuming: every layer was calibrated by an earlier run ({resumed_from} layers)")
+        else:
+            start = quantize.resume_layer(work)
+            if start:
+                resumed_from = start
+                n = len(streaming.decoder_layers(model)[1])
+                _note(config, f"Resuming calibration at layer {start + 1} of {n}: an earlier run finished layers 1-{start}")
+            expert_tokens = quantize.calibrate(
+                model, recipe, corpus.sequences, compute, progress.sub(0.1, 1.0), state_dir=work
+            )
 
     with progress.stage("quantizing"):
-        quantize.share_fused_scales(model)
+        if not calibrated.is_file():
+            quantize.share_fused_scales(model)
+            quantize.save_quantizers(model, calibrated, {"expert_tokens": expert_tokens})
+            shutil.rmtree(work / quantize.CALIBRATION_DIR, ignore_errors=True)
         quantize.use_reference_numerics(model)
         reload_examples = corpus.parity[:1]
         reference = [validate.logits(model, e.input_ids[:RELOAD_CHECK_TOKENS]) for e in reload_examples]
 
     with progress.stage("exporting"):
-        export_mod.export(model, recipe, tokenizer, out)
+        if not (work / EXPORTED_MARK).is_file():
+            shutil.rmtree(out, ignore_errors=True)
+            export_mod.export(model, recipe, tokenizer, out)
+            (work / EXPORTED_MARK).touch()
         del model
         gc.collect()
 
     with progress.stage("validating"):
         checks = validate.structure(out, recipe, bf16_bytes)
-        candidate = reader.load(out)
+        candidate = reader.load(out, compute)
         reload_diff = validate.reload_difference(reference, candidate, reload_examples)
         progress.update(0.1)
-        # The BF16 merged model again, recomputed rather than kept on disk: merging is cheap and
-        # deterministic, and a full BF16 copy of a large base is not.
-        state, _ = _merged(source, adapter)
-        kept = validate.retention(source, state, candidate.state_dict(), targets) if targets else None
+        kept = (
+            validate.retention(merged, reader.DequantizedWeights(out, torch.float32, compute.device)) if merged.targets() else None
+        )
         progress.update(0.2)
-        bf16_model = build_model(base_config, state)
-        del state
+        # The BF16 merged model again, read from the base as the calibrated one was: merging is
+        # cheap and deterministic, and a BF16 copy of a large base is not.
+        bf16_model = streaming.build(base_config, merged, compute, config.base_dir)
         task = None
         eval_file = config.eval_file or _adapter_eval_file(config.adapter_dir)
         parity_end = 0.6 if eval_file is not None else 1.0
@@ -125,7 +219,10 @@ def _run(
             quant_score, _ = validate.task_success(candidate, tokenizer, eval_file, progress.sub(0.8, 1.0))
             task = TaskReport(prompts=n, bf16_success=bf16_score, quantized_success=quant_score)
         del bf16_model, candidate
-        checks += validate.enforce(thresholds, parity, reload_diff, kept)
+        missed = validate.misses(thresholds, parity, reload_diff, kept)
+        if missed and config.quality_gate:
+            raise PipelineError("the checkpoint missed its quality thresholds: " + "; ".join(missed))
+        checks += validate.summary(parity, reload_diff, kept)
         result = PipelineResult(
             output_dir=out,
             quantization=recipe.name,
@@ -139,19 +236,19 @@ def _run(
             expert_tokens=expert_tokens,
             checks=checks,
             task=task,
+            device=compute.describe(),
+            quality_misses=missed,
+            resumed_from_layer=resumed_from,
         )
         export_mod.write_model_card(out, _lineage(config, recipe, result))
     result.stage_seconds = dict(progress.stage_seconds)
     return result
 
 
-def _merged(
-    source: TensorSource, adapter: merge_mod.Adapter | None
-) -> tuple[dict[str, torch.Tensor], list[str]]:
-    """The base's tensors in BF16 with the adapter merged in, and the names it changed."""
-    state = dict(source.items())
-    targets = merge_mod.merge(state, adapter) if adapter else []
-    return state, targets
+def _note(config: PipelineConfig, message: str) -> None:
+    logger.info(message)
+    if config.notify is not None:
+        config.notify(message)
 
 
 def _tokenizer(base_dir: Path) -> Any:
@@ -194,6 +291,8 @@ def _lineage(config: PipelineConfig, recipe: Any, result: PipelineResult) -> dic
             k: metrics[k]
             for k in ("parity", "retention", "task", "reload_max_logit_diff", "corpus", "expert_tokens")
         },
+        "quality_gate": {"enforced": config.quality_gate, "misses": result.quality_misses},
+        "device": result.device,
         "tools": export_mod.tool_versions(),
         "created_at": datetime.now(UTC).isoformat(timespec="seconds"),
         **{k: v for k, v in config.lineage.items() if k not in ("name", "base", "adapter")},

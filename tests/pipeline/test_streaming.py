@@ -1,0 +1,204 @@
+"""One decoder layer at a time: memory that does not grow with depth, resume to the same bytes,
+FP32 compute where BF16 is slow, local runs that keep their output, limits checked before work."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from fp4prep.pipeline import Cancelled, PipelineError, device
+from fp4prep.pipeline.checkpoint import TensorSource
+
+from .bases import random_llama, sparse_llama
+from .conftest import save_adapter, tiny_config
+from .helpers import TINY, run_tiny
+
+
+RUN_IN_CHILD = """
+import json, sys
+from fp4prep.pipeline import PipelineConfig, run
+result = run(PipelineConfig(
+    base_dir=sys.argv[1], output_dir=sys.argv[2], calibration_tokens=1024, sequence_length=256,
+    parity_prompts=4, continuation_tokens=4, quality_gate=False,
+))
+print(json.dumps({"reload_max_logit_diff": result.reload_max_logit_diff}))
+"""
+
+
+def peak_rss_of_a_run(base: Path, out: Path, tmp_path: Path) -> tuple[int, dict[str, Any]]:
+    """The pipeline in a child process: its peak resident set in bytes and a bit of its result."""
+    stdout, stderr = tmp_path / "stdout", tmp_path / "stderr"
+    with stdout.open("w") as o, stderr.open("w") as e:
+        proc = subprocess.Popen([sys.executable, "-c", RUN_IN_CHILD, str(base), str(out)], stdout=o, stderr=e)
+        _, status, usage = os.wait4(proc.pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0, stderr.read_text()[-3000:]
+    return usage.ru_maxrss * 1024, json.loads(stdout.read_text())
+
+
+def test_peak_memory_does_not_grow_with_depth(tmp_path: Path, tokenizer_dir: Path) -> None:
+    # Wide MLPs, narrow attention: weights dominate each layer, as in real models.
+    hidden, intermediate = 256, 8192
+    layer_bytes = 2 * (4 * hidden * hidden + 3 * hidden * intermediate)
+    peaks = {}
+    for layers in (4, 20):
+        base = random_llama(tmp_path / f"base{layers}", tokenizer_dir, layers, hidden, intermediate)
+        peaks[layers], result = peak_rss_of_a_run(base, tmp_path / f"out{layers}", tmp_path)
+        assert result["reload_max_logit_diff"] == 0.0
+    extra = 16 * layer_bytes  # what holding the 16 extra layers once would add, in BF16
+    assert peaks[20] - peaks[4] < extra / 4, (peaks, extra)
+
+
+def cancel_at(stage: str, fraction: float) -> tuple[Any, Any]:
+    """A progress callback and a cancellation check that stop a run once it gets that far."""
+    seen: dict[str, Any] = {"stage": None, "fraction": 0.0}
+
+    def progress(s: str, f: float) -> None:
+        seen.update(stage=s, fraction=f)
+
+    def should_cancel() -> bool:
+        return seen["stage"] == stage and seen["fraction"] >= fraction
+
+    return progress, should_cancel
+
+
+def checkpoint_bytes(directory: Path) -> dict[str, bytes]:
+    # fp4prep.json and README.md carry the run's own lineage (times, resume point): not the checkpoint.
+    return {
+        p.name: p.read_bytes() for p in directory.iterdir() if p.name not in ("fp4prep.json", "README.md")
+    }
+
+
+@pytest.mark.parametrize(
+    ("arch", "stage", "fraction"),
+    [("llama", "calibrating", 0.5), ("glm4_moe", "calibrating", 0.5), ("llama", "exporting", 0.0)],
+)
+def test_a_run_stopped_midway_resumes_and_writes_the_same_checkpoint_bytes(
+    tmp_path: Path, tokenizer_dir: Path, calibration_file: Path, arch: str, stage: str, fraction: float
+) -> None:
+    config = tiny_config(arch)
+    config.num_hidden_layers = 6
+    torch.manual_seed(0)
+    from transformers import AutoModelForCausalLM
+
+    base = tmp_path / "base"
+    AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).save_pretrained(base)
+    for f in tokenizer_dir.iterdir():
+        (base / f.name).write_bytes(f.read_bytes())
+    adapter = save_adapter(base, tmp_path / "adapter", targets=["q_proj", "o_proj"], b_scale=0.05)
+    common = {"adapter_dir": adapter, "calibration_file": calibration_file}
+
+    straight = run_tiny(base, tmp_path / "straight", **common)
+    assert straight.resumed_from_layer is None
+
+    work = tmp_path / "work"
+    progress, should_cancel = cancel_at(stage, fraction)
+    with pytest.raises(Cancelled):
+        run_tiny(base, tmp_path / "resumed", work_dir=work, progress=progress, should_cancel=should_cancel, **common)
+    assert not (tmp_path / "resumed").exists()
+    notes: list[str] = []
+    resumed = run_tiny(base, tmp_path / "resumed", work_dir=work, notify=notes.append, **common)
+
+    if stage == "calibrating":
+        assert resumed.resumed_from_layer is not None and 0 < resumed.resumed_from_layer < 6
+        assert notes == [
+            f"Resuming calibration at layer {resumed.resumed_from_layer + 1} of 6: "
+            f"an earlier run finished layers 1-{resumed.resumed_from_layer}"
+        ]
+    else:
+        assert resumed.resumed_from_layer == 6
+        assert notes == ["Resuming: every layer was calibrated by an earlier run (6 layers)"]
+    assert checkpoint_bytes(tmp_path / "resumed") == checkpoint_bytes(tmp_path / "straight")
+    assert resumed.expert_tokens == straight.expert_tokens
+    assert resumed.parity == straight.parity and resumed.reload_max_logit_diff == 0.0
+    assert list(work.iterdir()) == []  # a finished run leaves nothing to resume
+
+
+def test_a_work_directory_from_other_inputs_is_not_resumed(
+    llama_base: Path, tmp_path: Path, calibration_file: Path
+) -> None:
+    work = tmp_path / "work"
+    progress, should_cancel = cancel_at("exporting", 0.0)
+    with pytest.raises(Cancelled):
+        run_tiny(llama_base, tmp_path / "a", work_dir=work, progress=progress, should_cancel=should_cancel)
+    result = run_tiny(llama_base, tmp_path / "b", "mxfp4", work_dir=work, calibration_file=calibration_file)
+    assert result.resumed_from_layer is None and result.quantization == "mxfp4"
+
+
+def test_without_native_bf16_the_cpu_computes_in_fp32_and_ships_bf16(
+    llama_base: Path, tmp_path: Path, calibration_file: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("FP4PREP_CPU_BF16", "0")
+    assert device.resolve("auto") == device.Compute(torch.device("cpu"), torch.float32)
+    out = tmp_path / "out"
+    result = run_tiny(llama_base, out, calibration_file=calibration_file)
+    assert result.device == "cpu, float32"
+    assert result.reload_max_logit_diff == 0.0  # the reader reproduces the FP32 calibrated model exactly
+    source = TensorSource(out)
+    quantized = {n.removesuffix(".weight_scale") for n in source.names() if n.endswith(".weight_scale")}
+    unquantized = [n for n in source.names() if n.rpartition(".")[0] not in quantized]
+    assert {source.stored_dtype(n) for n in unquantized} == {torch.bfloat16}
+    assert json.loads((out / "config.json").read_text())["dtype"] == "bfloat16"
+
+
+def test_devices_are_named_as_the_command_line_takes_them() -> None:
+    from fp4prep.pipeline import UserError
+
+    assert device.resolve("cpu").device == torch.device("cpu")
+    with pytest.raises(UserError, match="unknown device 'tpu': use auto, cpu, cuda or cuda:N"):
+        device.resolve("tpu")
+    if not torch.cuda.is_available():
+        assert device.resolve("auto").device == torch.device("cpu")
+        with pytest.raises(UserError, match="this machine has no usable CUDA device"):
+            device.resolve("cuda:0")
+
+
+def test_without_the_quality_gate_a_miss_is_written_and_recorded(llama_base: Path, tmp_path: Path) -> None:
+    impossible = TINY.__class__(**{**TINY.__dict__, "top1_agreement": 1.01})
+    with pytest.raises(PipelineError, match=r"missed its quality thresholds: top-1 agreement .* < 1\.01"):
+        run_tiny(llama_base, tmp_path / "gated", thresholds=impossible)
+    assert not (tmp_path / "gated").exists()
+
+    out = tmp_path / "kept"
+    result = run_tiny(llama_base, out, thresholds=impossible, quality_gate=False)
+    assert len(result.quality_misses) == 1 and result.quality_misses[0].endswith("< 1.01")
+    lineage = json.loads((out / "fp4prep.json").read_text())
+    assert lineage["quality_gate"] == {"enforced": False, "misses": result.quality_misses}
+    assert (out / "model.safetensors").is_file()
+
+
+def test_a_layer_too_big_for_the_device_is_refused_before_any_work(tmp_path: Path, tokenizer_dir: Path) -> None:
+    # One layer whose weights alone are about the machine's free memory: holding it twice can't fit.
+    free = device.available_memory(torch.device("cpu"))
+    hidden = 4096
+    intermediate = 256 * (free // (3 * hidden * 2 * 256) + 1)
+    base = sparse_llama(tmp_path / "huge-layer", tokenizer_dir, 1, hidden, intermediate)
+    stages: list[str] = []
+    with pytest.raises(PipelineError, match=r"can't be prepared on cpu even one decoder layer at a time: it needs about [\d.]+ GiB there \(its largest layer is [\d.]+ GiB") as raised:
+        run_tiny(base, tmp_path / "out", progress=lambda s, f: stages.append(s))
+    assert "GiB is free" in str(raised.value)
+    assert set(stages) == {"merging"}
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_checkpoint_bigger_than_the_free_disk_is_refused_before_any_work(
+    tmp_path: Path, tokenizer_dir: Path
+) -> None:
+    import shutil
+
+    free = shutil.disk_usage(tmp_path).free
+    hidden, intermediate = 2048, 5632
+    layer_output = (4 * hidden * hidden + 3 * hidden * intermediate) * 4.5 / 8  # NVFP4 bytes per layer
+    layers = int(free / layer_output * 1.2) + 1
+    base = sparse_llama(tmp_path / "deep", tokenizer_dir, layers, hidden, intermediate)
+    stages: list[str] = []
+    with pytest.raises(PipelineError, match=r"the disk under .* has [\d.]+ GiB free, and this checkpoint needs about [\d.]+ GiB there"):
+        run_tiny(base, tmp_path / "out", progress=lambda s, f: stages.append(s))
+    assert set(stages) == {"merging"}
+
