@@ -146,15 +146,17 @@ def parity(out: Path) -> dict:
     from transformers import AutoTokenizer
 
     from fp4prep import demo
-    from fp4prep.pipeline import checkpoint, merge, reader, validate
+    from fp4prep.pipeline import checkpoint, device, merge, reader, streaming, validate
+    from fp4prep.pipeline.weights import MergedWeights
 
     assets = demo.build()
     tokenizer = AutoTokenizer.from_pretrained(assets.base_dir)
     examples = corpus_for(tokenizer, assets).parity
-    state = dict(checkpoint.TensorSource(assets.base_dir).items())
-    merge.merge(state, merge.load_adapter(assets.adapter_dir))
-    bf16 = checkpoint.build_model(checkpoint.read_config(assets.base_dir), state)
-    candidate = reader.load(out)
+    compute = device.resolve("auto")
+    source = checkpoint.TensorSource(assets.base_dir)
+    merged = MergedWeights(source, merge.load_adapter(assets.adapter_dir), compute.dtype, compute.device)
+    bf16 = streaming.build(checkpoint.read_config(assets.base_dir), merged, compute, assets.base_dir)
+    candidate = reader.load(out, compute)
     report = validate.token_parity(bf16, candidate, examples, 16)
     task, _ = validate.task_success(candidate, tokenizer, assets.eval_file)
     del bf16, candidate

@@ -388,7 +388,8 @@ def reap_dead_jobs() -> None:
                 level="error",
                 message=(
                     f"The worker running this job ({job.worker}) stopped sending heartbeats (last at {last}) "
-                    f"during {job.stage or 'start-up'}; nothing was registered. Retrying may help."
+                    f"during {job.stage or 'start-up'}; nothing was registered. Retrying may help: a requeue "
+                    "continues from the last layer it finished."
                 ),
                 data={"worker": job.worker, "stage": job.stage},
                 from_statuses=(Job.Status.RUNNING,),

@@ -93,7 +93,7 @@ class SafetensorsFile:
         entry = self.entries[name]
         start, end = entry["data_offsets"]
         raw = torch.empty(end - start, dtype=torch.uint8)
-        view = memoryview(raw.numpy())
+        view = memoryview(raw.numpy())  # type: ignore[arg-type]  # numpy arrays are buffers
         fd = os.open(self.path, os.O_RDONLY)
         try:
             done = 0

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import shutil
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -25,7 +26,7 @@ def _gib(n: float) -> str:
 
 
 def check_memory(
-    model: torch.nn.Module, weights: MergedWeights, compute: Compute, calibration_tokens: int
+    model: Any, weights: MergedWeights, compute: Compute, calibration_tokens: int
 ) -> None:
     layers = streaming.layer_bytes(model, weights, compute.dtype)
     largest = max(layers)

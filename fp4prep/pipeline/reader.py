@@ -17,8 +17,7 @@ from typing import Any
 
 import torch
 
-from . import fakequant
-from . import streaming
+from . import fakequant, streaming
 from .checkpoint import TensorSource, read_config
 from .device import Compute
 from .errors import PipelineError

@@ -119,12 +119,12 @@ def build(
     compute: Compute,
     source_dir: Path,
     before_hooks: Callable[[torch.nn.Module], None] | None = None,
-) -> torch.nn.Module:
+) -> Any:
     """The model of ``config`` reading its weights from ``weights``, one module at a time."""
     return attach(skeleton(config, weights, compute, source_dir), weights, compute, before_hooks)
 
 
-def skeleton(config: dict[str, Any], weights: LazyWeights, compute: Compute, source_dir: Path) -> torch.nn.Module:
+def skeleton(config: dict[str, Any], weights: LazyWeights, compute: Compute, source_dir: Path) -> Any:
     """The model of ``config`` with every parameter on the meta device: its shapes, no memory."""
     from accelerate import init_empty_weights
     from transformers import AutoModelForCausalLM
@@ -143,11 +143,11 @@ def skeleton(config: dict[str, Any], weights: LazyWeights, compute: Compute, sou
 
 
 def attach(
-    model: torch.nn.Module,
+    model: Any,
     weights: LazyWeights,
     compute: Compute,
     before_hooks: Callable[[torch.nn.Module], None] | None = None,
-) -> torch.nn.Module:
+) -> Any:
     """Load what stays resident and hook every other module to read its weights when it runs.
 
     ``before_hooks`` may replace modules' ``forward`` methods: accelerate's hooks wrap whatever
@@ -158,10 +158,9 @@ def attach(
     for name, buffer in list(model.named_buffers()):
         module_name, _, leaf = name.rpartition(".")
         module = model.get_submodule(module_name)
-        if name in weights:  # persistent buffers the checkpoint holds (e.g. a router's bias)
-            value = weights.stored(name).to(buffer.dtype)
-        else:
-            value = buffer
+        # Persistent buffers the checkpoint holds (a router's bias) come from it; the rest (rotary
+        # tables) were computed when the skeleton was built.
+        value = weights.stored(name).to(buffer.dtype) if name in weights else buffer
         module._buffers[leaf] = value.to(compute.device)
 
     embeddings = model.get_input_embeddings()
@@ -204,7 +203,7 @@ def layer_bytes(model: torch.nn.Module, weights: LazyWeights, dtype: torch.dtype
     return sizes
 
 
-def resident_bytes(model: torch.nn.Module, dtype: torch.dtype) -> int:
+def resident_bytes(model: Any, dtype: torch.dtype) -> int:
     """What stays on the device between layers: the input embeddings (shared with the head if tied)."""
     weight = model.get_input_embeddings().weight
     return weight.numel() * torch.empty(0, dtype=dtype).element_size()
@@ -221,7 +220,7 @@ def _name_of(model: torch.nn.Module, target: torch.nn.Module) -> str:
     raise UserError(f"{type(model).__name__}: its input embeddings are not one of its modules")
 
 
-def _check_names(model: torch.nn.Module, weights: LazyWeights) -> None:
+def _check_names(model: Any, weights: LazyWeights) -> None:
     expected = set(model.state_dict())
     tied = bool(getattr(model.config, "tie_word_embeddings", False))
     output = model.get_output_embeddings()

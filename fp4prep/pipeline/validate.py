@@ -9,9 +9,10 @@ prompts together so that each generated token costs one pass over the layers.
 
 from __future__ import annotations
 
+import contextlib
 import re
 import statistics
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +22,7 @@ import torch.nn.functional as F
 from .checkpoint import TensorSource, directory_bytes, read_config
 from .config import ParityReport, RetentionReport
 from .corpus import ParityExample
+from .device import available_memory
 from .errors import PipelineError
 from .reader import DequantizedWeights, detect_layout
 from .recipes import Recipe, Thresholds
@@ -136,10 +138,14 @@ def _expected_bytes(source: TensorSource, quantized: list[str], recipe: Recipe, 
     return total
 
 
-# Teacher-forced logits are computed for at most this many bytes of them at once.
+# Teacher-forced parity runs the decoder once over this many tokens at a time (one pass over a
+# streamed model's layers), then applies the output head to at most LOGITS_BYTES of logits at once.
+TOKENS_PER_PASS = 16384
 LOGITS_BYTES = 64 << 20
 # Prompts are decoded together (each decoding step is one pass over a streamed model's layers), as
-# many as keep their KV cache within this many bytes: the cache grows with the model's depth.
+# many as keep their KV cache, which grows with the model's depth, within this many bytes on a CPU
+# (small models, compute-bound steps) or a tenth of the free memory of a GPU (large models, whose
+# steps each read the whole model: fewer steps matter most).
 KV_CACHE_BYTES = 128 << 20
 
 
@@ -155,34 +161,59 @@ def logits(model: torch.nn.Module, ids: list[int]) -> torch.Tensor:
 @torch.no_grad()
 def batch_logits(model: torch.nn.Module, sequences: list[list[int]]) -> list[torch.Tensor]:
     """Each sequence's logits, [len, vocab] in float32 on the CPU; one forward for the batch."""
-    device = _device(model)
+    ids, mask = _padded(sequences, _device(model))
+    out = model(ids, attention_mask=mask, use_cache=False).logits
+    return [out[row, : len(seq)].float().cpu() for row, seq in enumerate(sequences)]
+
+
+def _padded(sequences: list[list[int]], device: torch.device, left: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     width = max(len(s) for s in sequences)
     ids = torch.zeros(len(sequences), width, dtype=torch.long)
     mask = torch.zeros(len(sequences), width, dtype=torch.long)
     for row, seq in enumerate(sequences):
-        ids[row, : len(seq)] = torch.tensor(seq)
-        mask[row, : len(seq)] = 1
-    out = model(ids.to(device), attention_mask=mask.to(device), use_cache=False).logits
-    return [out[row, : len(seq)].float().cpu() for row, seq in enumerate(sequences)]
+        place = slice(width - len(seq), width) if left else slice(0, len(seq))
+        ids[row, place] = torch.tensor(seq)
+        mask[row, place] = 1
+    return ids.to(device), mask.to(device)
 
 
-def _logit_batches(model: torch.nn.Module, sequences: list[list[int]]) -> list[list[int]]:
-    vocab = int(model.config.vocab_size)
-    per_token = vocab * 4
-    batches: list[list[int]] = []
-    tokens = 0
+@torch.no_grad()
+def final_hidden_states(model: Any, sequences: list[list[int]]) -> list[torch.Tensor]:
+    """Each sequence's last hidden states (after the final norm), ``[len, hidden]``.
+
+    One run of the decoder per ``TOKENS_PER_PASS`` tokens: on a streamed model that is one read of
+    every layer for the whole set, where computing logits batch by batch would take one per batch.
+    """
+    device = _device(model)
+    decoder = model.get_decoder()
+    states: list[torch.Tensor] = []
+    batch: list[list[int]] = []
     for i, seq in enumerate(sequences):
-        if batches and (tokens + len(seq)) * per_token > LOGITS_BYTES:
-            batches.append([])
-            tokens = 0
-        if not batches:
-            batches.append([])
-        batches[-1].append(i)
-        tokens += len(seq)
-    return batches
+        batch.append(seq)
+        last = i == len(sequences) - 1
+        if last or (len(batch) + 1) * max(len(s) for s in [*batch, sequences[i + 1]]) > TOKENS_PER_PASS:
+            ids, mask = _padded(batch, device)
+            hidden = decoder(input_ids=ids, attention_mask=mask, use_cache=False).last_hidden_state
+            states += [hidden[row, : len(s)] for row, s in enumerate(batch)]
+            batch = []
+    return states
 
 
-def _kv_bytes_per_token(model: torch.nn.Module) -> int:
+@contextlib.contextmanager
+def output_head(model: Any) -> Iterator[Callable[[torch.Tensor], torch.Tensor]]:
+    """The model's output head as a function of final hidden states (logits in float32, on the CPU),
+    its weights held for the duration instead of read again on every call."""
+    from accelerate.utils import align_module_device
+
+    head = model.get_output_embeddings()
+    config = model.config
+    if getattr(config, "final_logit_softcapping", None) or getattr(config, "logit_scale", None):
+        raise PipelineError(f"{type(model).__name__} transforms its logits after the head; parity can't chunk them")
+    with align_module_device(head):
+        yield lambda hidden: torch.nn.functional.linear(hidden, head.weight, head.bias).float().cpu()
+
+
+def _kv_bytes_per_token(model: Any) -> int:
     config = model.config
     heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
@@ -191,7 +222,7 @@ def _kv_bytes_per_token(model: torch.nn.Module) -> int:
     return int(config.num_hidden_layers) * width * next(model.parameters()).element_size()
 
 
-def _eos_ids(model: torch.nn.Module) -> set[int]:
+def _eos_ids(model: Any) -> set[int]:
     config = getattr(model, "generation_config", None) or model.config
     eos = getattr(config, "eos_token_id", None)
     if eos is None:
@@ -210,23 +241,20 @@ def greedy(model: torch.nn.Module, prompts: list[list[int]], n: int) -> list[lis
     eos = _eos_ids(model)
     results: list[list[int]] = []
     per_token = _kv_bytes_per_token(model)
+    budget = KV_CACHE_BYTES
+    if device.type == "cuda":
+        budget = max(budget, available_memory(device) // 10)
     start = 0
     while start < len(prompts):
         chunk = [prompts[start]]
         while (
             start + len(chunk) < len(prompts)
             and (len(chunk) + 1) * (max(map(len, chunk + [prompts[start + len(chunk)]])) + n) * per_token
-            <= KV_CACHE_BYTES
+            <= budget
         ):
             chunk.append(prompts[start + len(chunk)])
         start += len(chunk)
-        width = max(len(p) for p in chunk)
-        ids = torch.zeros(len(chunk), width, dtype=torch.long)
-        mask = torch.zeros(len(chunk), width, dtype=torch.long)
-        for row, prompt in enumerate(chunk):
-            ids[row, width - len(prompt) :] = torch.tensor(prompt)
-            mask[row, width - len(prompt) :] = 1
-        ids, mask = ids.to(device), mask.to(device)
+        ids, mask = _padded(chunk, device, left=True)
         positions = (mask.cumsum(-1) - 1).clamp(min=0)
         out = model(ids, attention_mask=mask, position_ids=positions, use_cache=True, logits_to_keep=1)
         steps = []
@@ -271,16 +299,21 @@ def token_parity(
     agree = total = 0
     kl_sum = 0.0
     sequences = [e.input_ids for e in examples]
-    batches = _logit_batches(reference, sequences)
-    for i, batch in enumerate(batches):
-        refs = batch_logits(reference, [sequences[j] for j in batch])
-        gots = batch_logits(candidate, [sequences[j] for j in batch])
-        for ref, got in zip(refs, gots, strict=True):
-            agree += int((ref.argmax(-1) == got.argmax(-1)).sum())
-            total += ref.shape[0]
-            kl = F.kl_div(F.log_softmax(got, -1), F.log_softmax(ref, -1), log_target=True, reduction="sum")
-            kl_sum += float(kl)
-        report(0.5 * (i + 1) / len(batches))
+    expected_states = final_hidden_states(reference, sequences)
+    report(0.2)
+    got_states = final_hidden_states(candidate, sequences)
+    report(0.4)
+    chunk = max(1, LOGITS_BYTES // (4 * int(reference.config.vocab_size)))
+    with output_head(reference) as reference_head, output_head(candidate) as candidate_head:
+        for expected_hidden, got_hidden in zip(expected_states, got_states, strict=True):
+            for start in range(0, expected_hidden.shape[0], chunk):
+                ref = reference_head(expected_hidden[start : start + chunk])
+                got = candidate_head(got_hidden[start : start + chunk])
+                agree += int((ref.argmax(-1) == got.argmax(-1)).sum())
+                total += ref.shape[0]
+                kl = F.kl_div(F.log_softmax(got, -1), F.log_softmax(ref, -1), log_target=True, reduction="sum")
+                kl_sum += float(kl)
+    report(0.5)
     prompts = [e.prompt_ids for e in examples]
     expected = greedy(reference, prompts, continuation_tokens)
     report(0.75)

@@ -52,7 +52,7 @@ def random_llama(path: Path, tokenizer_dir: Path, layers: int, hidden: int, inte
     for name, shape in shapes.items():
         key = ".".join(name.split(".")[:3]) if name.startswith("model.layers.") else "rest"
         groups.setdefault(key, {})[name] = shape
-    for i, (key, group) in enumerate(groups.items()):
+    for i, group in enumerate(groups.values()):
         file = f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors"
         tensors = {}
         for name, shape in group.items():

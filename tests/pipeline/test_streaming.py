@@ -20,7 +20,6 @@ from .bases import random_llama, sparse_llama
 from .conftest import save_adapter, tiny_config
 from .helpers import TINY, run_tiny
 
-
 RUN_IN_CHILD = """
 import json, sys
 from fp4prep.pipeline import PipelineConfig, run

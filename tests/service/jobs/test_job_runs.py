@@ -61,9 +61,9 @@ def test_a_job_runs_to_completed_and_its_revision_downloads_and_loads(
 
     import torch
 
-    from fp4prep.pipeline import reader
+    from fp4prep.pipeline import device, reader
 
-    model = reader.load(out)  # our independent reader dequantizes the downloaded files
+    model = reader.load(out, device.resolve("cpu"))  # our independent reader dequantizes the downloaded files
     logits = model(torch.tensor([[1, 2, 3, 4]])).logits
     assert logits.shape[-1] == config["vocab_size"] and torch.isfinite(logits).all()
 
@@ -76,7 +76,7 @@ def test_a_job_runs_to_completed_and_its_revision_downloads_and_loads(
     assert Decimal(str(done["estimate"]["price_usd"])) == Decimal("0.10")
 
 
-def wait_for(predicate: Any, timeout: float = 120, what: str = "condition") -> Any:
+def wait_for(predicate: Any, timeout: float = 120, what: str = "condition", interval: float = 0.1) -> Any:
     import time
 
     deadline = time.monotonic() + timeout
@@ -86,7 +86,7 @@ def wait_for(predicate: Any, timeout: float = 120, what: str = "condition") -> A
             return value
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.1)
+        time.sleep(interval)
 
 
 def test_jobs_wait_for_a_free_slot_and_a_repeat_job_adds_a_revision_to_the_same_model(
@@ -180,7 +180,6 @@ def job_on_a_worker_that_dies(people: People, adapter: dict[str, Any], start_wor
 def test_a_job_whose_worker_dies_ends_error_with_its_hold_released(
     people: People, adapter: dict[str, Any], start_worker: Any
 ) -> None:
-    from django.conf import settings
 
     alice = people.alice
     job = job_on_a_worker_that_dies(people, adapter, start_worker)
@@ -193,7 +192,56 @@ def test_a_job_whose_worker_dies_ends_error_with_its_hold_released(
     credit = alice.get("/v1/whoami").json()
     assert (credit["balance_usd"], credit["held_usd"]) == (10.0, 0.0)
     assert not Model.objects.filter(kind="prepared").exists()
-    assert not (settings.ARTIFACT_ROOT / "work" / job["id"]).exists()
+
+
+def test_a_requeued_job_continues_from_the_last_layer_its_dead_worker_finished(
+    people: People, catalogue: Any, start_worker: Any, tmp_path: Path, tokenizer_dir: Path
+) -> None:
+    from django.conf import settings
+
+    from jobs import services
+    from jobs.models import Job
+    from tests.pipeline.bases import random_llama
+    from tests.pipeline.conftest import save_adapter
+
+    # Deep enough that calibration takes seconds, so the worker dies in the middle of it.
+    deep = random_llama(tmp_path / "deep", tokenizer_dir, layers=24, hidden=256, intermediate=1024)
+    catalogue.weights_location = str(deep)
+    catalogue.save()
+    adapter_dir = save_adapter(deep, tmp_path / "adapter", targets=["q_proj", "o_proj"], b_scale=0.01)
+    archive = io.BytesIO()
+    with tarfile.open(fileobj=archive, mode="w:gz") as tar:
+        tar.add(adapter_dir, arcname="deep-adapter")
+    alice = people.alice
+    adapter = alice.register_adapter(archive.getvalue()).json()
+    job = alice.create(adapter_object_id=adapter["id"]).json()
+
+    manifest = settings.ARTIFACT_ROOT / "work" / job["id"] / "state" / "calibration" / "manifest.json"
+    doomed = start_worker("cpu", name="doomed")
+
+    def layers_done() -> int:
+        try:
+            return int(json.loads(manifest.read_text())["last_completed_layer"]) + 1
+        except (OSError, ValueError, KeyError):
+            return 0
+
+    wait_for(lambda: layers_done() >= 3, timeout=300, what="three calibrated layers", interval=0.01)
+    doomed.kill()
+    finished = layers_done()
+    assert 3 <= finished < 24
+    start_worker("cpu", name="survivor")
+    assert alice.wait(job["id"], timeout=60)["status"] == "error"
+
+    new = services.requeue(Job.objects.get(pk=job["id"]))  # support's requeue action
+    assert not (settings.ARTIFACT_ROOT / "work" / job["id"]).exists()  # handed to the new job
+    done = alice.wait(new.id)
+    events = alice.events(new.id)
+    assert done["status"] == "completed", [(e["type"], e["message"]) for e in events]
+    messages = [e["message"] for e in events]
+    assert f"Requeued from {job['id']} by support; it continues from where that job stopped" in messages
+    assert f"Resuming calibration at layer {finished + 1} of 24: an earlier run finished layers 1-{finished}" in messages
+    assert done["report"]["resumed_from_layer"] == finished
+    assert not (settings.ARTIFACT_ROOT / "work" / new.id).exists()  # removed once the job ended
 
 
 def test_a_cancellation_can_be_requested_once_and_a_dead_workers_job_then_ends_cancelled(
