@@ -84,9 +84,12 @@ def return_freed_memory() -> None:
     """Have the C allocator give each freed layer's memory back to the system.
 
     glibc serves large allocations with mmap and unmaps them on free, but raises that threshold to
-    the size of the largest block freed so far: after the first layer, later layers' tensors come
-    from its heap, which keeps growing with fragments of every layer. A fixed threshold keeps the
-    resident set at one layer's worth however deep the model is. (No effect elsewhere.)
+    the size of the largest block freed so far (up to 32 MiB): after the first layer, later layers'
+    weights come from its heap, which keeps growing with fragments of every layer. Pinned at 4 MiB,
+    weight matrices are mapped and given back, while the many small activation tensors of a forward
+    pass stay on the fast heap (pinning it lower made the demo 70% slower). Measured with the depth
+    test: 4 and 20 layers peaked 82 MiB apart without this, 12 MiB apart with it. No effect where
+    the C library is not glibc.
     """
     import ctypes
     import ctypes.util
@@ -102,7 +105,7 @@ def return_freed_memory() -> None:
 
 
 M_MMAP_THRESHOLD = -3  # glibc's malloc.h
-MMAP_THRESHOLD_BYTES = 128 << 10  # glibc's own starting value, pinned
+MMAP_THRESHOLD_BYTES = 4 << 20
 
 
 def decoder_layers(model: torch.nn.Module) -> tuple[str, torch.nn.ModuleList]:

@@ -231,51 +231,55 @@ def _eos_ids(model: Any) -> set[int]:
 
 
 @torch.no_grad()
-def greedy(model: torch.nn.Module, prompts: list[list[int]], n: int) -> list[list[int]]:
+def greedy(model: Any, prompts: list[list[int]], n: int) -> list[list[int]]:
     """Each prompt's greedy continuation of ``n`` tokens (through the first end-of-turn token).
 
     Prompts are decoded together, left-padded, with a KV cache: one pass over the layers per
-    token for the whole batch, which is what makes decoding a streamed model affordable.
+    token for the whole batch, which is what makes decoding a streamed model affordable. The head
+    is applied here, to each row's last hidden state, and held for the whole decoding.
     """
     device = _device(model)
     eos = _eos_ids(model)
+    decoder = model.get_decoder()
     results: list[list[int]] = []
     per_token = _kv_bytes_per_token(model)
     budget = KV_CACHE_BYTES
     if device.type == "cuda":
         budget = max(budget, available_memory(device) // 10)
     start = 0
-    while start < len(prompts):
-        chunk = [prompts[start]]
-        while (
-            start + len(chunk) < len(prompts)
-            and (len(chunk) + 1) * (max(map(len, chunk + [prompts[start + len(chunk)]])) + n) * per_token
-            <= budget
-        ):
-            chunk.append(prompts[start + len(chunk)])
-        start += len(chunk)
-        ids, mask = _padded(chunk, device, left=True)
-        positions = (mask.cumsum(-1) - 1).clamp(min=0)
-        out = model(ids, attention_mask=mask, position_ids=positions, use_cache=True, logits_to_keep=1)
-        steps = []
-        for step in range(n):
-            token = out.logits[:, -1].argmax(-1)
-            steps.append(token.cpu())
-            if step == n - 1:
-                break
-            mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=-1)
-            positions = positions[:, -1:] + 1
-            out = model(
-                token[:, None],
-                attention_mask=mask,
-                position_ids=positions,
-                cache=out.cache,
-                use_cache=True,
-                logits_to_keep=1,
-            )
-        for row in torch.stack(steps, dim=1).tolist() if steps else [[] for _ in chunk]:
-            end = next((i + 1 for i, t in enumerate(row) if t in eos), len(row))
-            results.append(row[:end])
+    with output_head(model) as head, torch.no_grad():
+        while start < len(prompts):
+            chunk = [prompts[start]]
+            while (
+                start + len(chunk) < len(prompts)
+                and (len(chunk) + 1) * (max(map(len, chunk + [prompts[start + len(chunk)]])) + n) * per_token
+                <= budget
+            ):
+                chunk.append(prompts[start + len(chunk)])
+            start += len(chunk)
+            ids, mask = _padded(chunk, device, left=True)
+            positions = (mask.cumsum(-1) - 1).clamp(min=0)
+            out = decoder(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True)
+            steps = []
+            for step in range(n):
+                # A contiguous [batch, hidden]: a strided 3-D slice makes some CPU matmul kernels
+                # expand the whole head per row (gigabytes for a large vocabulary).
+                token = head(out.last_hidden_state[:, -1, :].contiguous()).argmax(-1)
+                steps.append(token)
+                if step == n - 1:
+                    break
+                mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=-1)
+                positions = positions[:, -1:] + 1
+                out = decoder(
+                    input_ids=token[:, None].to(device),
+                    attention_mask=mask,
+                    position_ids=positions,
+                    cache=out.cache,
+                    use_cache=True,
+                )
+            for row in torch.stack(steps, dim=1).tolist() if steps else [[] for _ in chunk]:
+                end = next((i + 1 for i, t in enumerate(row) if t in eos), len(row))
+                results.append(row[:end])
     return results
 
 
