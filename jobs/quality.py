@@ -75,4 +75,8 @@ def figures(report: dict[str, Any]) -> list[Figure]:
     if seconds:
         rows.append(Figure("Pipeline time", f"{sum(seconds.values()):.1f} s",
                            ", ".join(f"{stage} {s:.1f} s" for stage, s in seconds.items())))
+    if report.get("device"):
+        resumed = report.get("resumed_from_layer")
+        rows.append(Figure("Computed on", report["device"],
+                           f"resumed after {resumed} calibrated layers of an earlier run" if resumed else "one layer at a time"))
     return rows

@@ -107,6 +107,47 @@ class SafetensorsFile:
         return raw.view(_DTYPES[entry["dtype"]]).reshape(entry["shape"])
 
 
+_NAMES = {dtype: name for name, dtype in _DTYPES.items()}
+# What a rewritten entry holds: the bytes of a tensor of the source file (by its name there), or a
+# new tensor.
+Entry = str | torch.Tensor
+
+
+def rewrite_safetensors(source: SafetensorsFile, target: Path, entries: dict[str, Entry]) -> None:
+    """Write ``entries`` (new name -> source tensor name, or a tensor) as a safetensors file.
+
+    Bytes copied from the source stream through a small buffer, so rewriting a shard costs memory
+    for the new tensors only. ``target`` may be the source's own path: the file is replaced whole.
+    """
+    header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
+    offset = 0
+    for name, entry in entries.items():
+        if isinstance(entry, str):
+            e = source.entries[entry]
+            dtype, shape, size = e["dtype"], e["shape"], e["data_offsets"][1] - e["data_offsets"][0]
+        else:
+            dtype, shape, size = _NAMES[entry.dtype], list(entry.shape), entry.numel() * entry.element_size()
+        header[name] = {"dtype": dtype, "shape": shape, "data_offsets": [offset, offset + size]}
+        offset += size
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)
+    partial = target.with_name(target.name + ".partial")
+    with partial.open("wb") as out, source.path.open("rb") as f:
+        out.write(struct.pack("<Q", len(raw)) + raw)
+        for entry in entries.values():
+            if isinstance(entry, str):
+                start, end = source.entries[entry]["data_offsets"]
+                f.seek(source.data_start + start)
+                left = end - start
+                while left:
+                    chunk = f.read(min(left, 64 << 20))
+                    out.write(chunk)
+                    left -= len(chunk)
+            else:
+                out.write(entry.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+    os.replace(partial, target)
+
+
 def dequantize_fp8_blocks(weight: torch.Tensor, scale_inv: torch.Tensor) -> torch.Tensor:
     """E4M3 weight times its per-128x128-block inverse scale, in fp32."""
     rows, cols = weight.shape

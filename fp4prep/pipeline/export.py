@@ -16,9 +16,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import safe_open
-from safetensors.torch import save_file
 
+from .checkpoint import Entry, SafetensorsFile, rewrite_safetensors
 from .errors import PipelineError
 from .recipes import Recipe
 
@@ -56,22 +55,18 @@ def to_bf16(directory: Path) -> None:
     ModelOpt wrote them; a shard is rewritten only if it holds such a tensor.
     """
     for path in sorted(directory.glob("*.safetensors")):
-        with safe_open(str(path), "pt") as f:
-            keys = list(f.keys())
-            quantized = {k.rpartition(".")[0] for k in keys if k.endswith(".weight_scale")}
-            cast = [
-                k
-                for k in keys
-                if k.rpartition(".")[0] not in quantized
-                and k.endswith((".weight", ".bias"))
-                and f.get_slice(k).get_dtype() in ("F32", "F64")
-            ]
-            if not cast:
-                continue
-            tensors = {k: f.get_tensor(k) for k in keys}
-        for k in cast:
-            tensors[k] = tensors[k].to(torch.bfloat16)
-        save_file(tensors, str(path), metadata={"format": "pt"})
+        shard = SafetensorsFile(path)
+        quantized = {k.rpartition(".")[0] for k in shard.entries if k.endswith(".weight_scale")}
+        cast = {
+            k
+            for k in shard.entries
+            if k.rpartition(".")[0] not in quantized
+            and k.endswith((".weight", ".bias"))
+            and shard.dtype(k) in (torch.float32, torch.float64)
+        }
+        if cast:
+            entries: dict[str, Entry] = {k: shard.read(k).to(torch.bfloat16) if k in cast else k for k in shard.entries}
+            rewrite_safetensors(shard, path, entries)
     index = directory / "model.safetensors.index.json"
     if index.is_file():
         data = json.loads(index.read_text())
@@ -132,29 +127,26 @@ def to_compressed_tensors(src: Path, dst: Path, activations: bool = True) -> Non
     fmt, weights, inputs = _ct_scheme(quant_algo, activations)
     dst.mkdir(parents=True, exist_ok=True)
     for path in sorted(src.glob("*.safetensors")):
-        out: dict[str, torch.Tensor] = {}
-        with safe_open(str(path), "pt") as f:
-            keys = list(f.keys())
-            packed = {k[: -len(".weight_scale")] for k in keys if k.endswith(".weight_scale")}
-            for key in keys:
-                tensor = f.get_tensor(key)
-                module, _, leaf = key.rpartition(".")
-                if module in packed and leaf == "weight":
-                    out[f"{module}.weight_packed"] = tensor
-                elif module in packed and leaf == "weight_scale_2":
-                    out[f"{module}.weight_global_scale"] = (1.0 / tensor.float()).reshape(1)
-                elif module in packed and leaf == "input_scale":
-                    out[f"{module}.input_global_scale"] = (1.0 / tensor.float()).reshape(1)
-                else:
-                    out[key] = tensor
-        save_file(out, str(dst / path.name), metadata={"format": "pt"})
+        shard = SafetensorsFile(path)
+        packed = {k[: -len(".weight_scale")] for k in shard.entries if k.endswith(".weight_scale")}
+        entries: dict[str, Entry] = {}
+        for key in shard.entries:
+            module, _, leaf = key.rpartition(".")
+            if module in packed and leaf == "weight":
+                entries[f"{module}.weight_packed"] = key
+            elif module in packed and leaf == "weight_scale_2":
+                entries[f"{module}.weight_global_scale"] = (1.0 / shard.read(key).float()).reshape(1)
+            elif module in packed and leaf == "input_scale":
+                entries[f"{module}.input_global_scale"] = (1.0 / shard.read(key).float()).reshape(1)
+            else:
+                entries[key] = key
+        rewrite_safetensors(shard, dst / path.name, entries)
     index = src / "model.safetensors.index.json"
     if index.is_file():
         data = json.loads(index.read_text())
         weight_map = {}
         for path in sorted(dst.glob("*.safetensors")):
-            with safe_open(str(path), "pt") as f:
-                weight_map.update(dict.fromkeys(f.keys(), path.name))
+            weight_map.update(dict.fromkeys(SafetensorsFile(path).entries, path.name))
         data["weight_map"] = weight_map
         (dst / index.name).write_text(json.dumps(data, indent=2))
     config = json.loads((src / "config.json").read_text())

@@ -52,7 +52,7 @@ def run(config: PipelineConfig) -> PipelineResult:
     progress = Progress(config.progress, config.should_cancel)
     _check_output_dir(config.output_dir)
     compute = device_mod.resolve(config.device)
-    streaming.return_freed_memory()
+    streaming.keep_memory_returnable()
     progress.check()
     config.output_dir.parent.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(config.seed)

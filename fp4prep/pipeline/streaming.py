@@ -15,6 +15,7 @@ place inputs, and the embeddings are needed by every forward anyway.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
@@ -44,6 +45,8 @@ class LazyWeights(Mapping[str, torch.Tensor]):
         # already holds. Ours holds none: the calibrations we run only set amax (ModelOpt refuses
         # ``calib_mutates_weights=False`` for any that change weights), so there is nothing to keep.
         self.state_dict: dict[str, torch.Tensor] = {}
+        self._last_layer: str | None = None
+        self._read = 0
 
     def stored(self, name: str) -> torch.Tensor:
         raise NotImplementedError
@@ -54,10 +57,19 @@ class LazyWeights(Mapping[str, torch.Tensor]):
     def __getitem__(self, name: str) -> torch.Tensor:
         parts = self.layout.parts(name)
         if parts is not None:
-            return fold(parts, self.stored, self.stored_shape)
-        if name not in self._stored:
+            tensor = fold(parts, self.stored, self.stored_shape)
+        elif name not in self._stored:
             raise KeyError(name)
-        return self.stored(name)
+        else:
+            tensor = self.stored(name)
+        self._read += tensor.numel() * tensor.element_size()
+        layer = _LAYER.match(name)
+        key = layer[0] if layer else None
+        if key != self._last_layer and self._read >= TRIM_AFTER_BYTES:
+            trim_heap()  # a new layer starts: what the last ones left free goes back
+            self._read = 0
+        self._last_layer = key
+        return tensor
 
     def __iter__(self) -> Iterator[str]:
         return iter(self._names)
@@ -80,32 +92,48 @@ class LazyWeights(Mapping[str, torch.Tensor]):
         return total
 
 
-def return_freed_memory() -> None:
-    """Have the C allocator give each freed layer's memory back to the system.
+_LAYER = re.compile(r"^.*?\.layers\.\d+\.")
+# The heap is trimmed when a new layer starts and this many bytes of weights were read since the
+# last trim: on small layers trimming every time would cost more than it saves.
+TRIM_AFTER_BYTES = 32 << 20
+M_MMAP_THRESHOLD = -3  # glibc's malloc.h
+MMAP_THRESHOLD_BYTES = 4 << 20
 
-    glibc serves large allocations with mmap and unmaps them on free, but raises that threshold to
-    the size of the largest block freed so far (up to 32 MiB): after the first layer, later layers'
-    weights come from its heap, which keeps growing with fragments of every layer. Pinned at 4 MiB,
-    weight matrices are mapped and given back, while the many small activation tensors of a forward
-    pass stay on the fast heap (pinning it lower made the demo 70% slower). Measured with the depth
-    test: 4 and 20 layers peaked 82 MiB apart without this, 12 MiB apart with it. No effect where
-    the C library is not glibc.
+
+def keep_memory_returnable() -> None:
+    """Make the C heap give each layer's memory back to the system, however deep the model.
+
+    A layer's weights and activations are freed after it runs, but glibc keeps freed memory in its
+    heap, where the fragments of one layer after another add up (measured after calibration, 48
+    layers of a hidden-1024 model held 300 MiB more than 8 layers, all of it free heap). glibc
+    also raises its mmap threshold up to 32 MiB as large blocks are freed, putting ever larger
+    tensors on that heap. So: the threshold is pinned at 4 MiB (weight matrices and activations of
+    that size are mapped and unmapped; pinning it lower made the demo 70% slower), and the heap is
+    trimmed as layers are read (``trim_heap``). No effect where the C library is not glibc.
     """
+    if _LIBC is not None and hasattr(_LIBC, "mallopt"):
+        _LIBC.mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES)
+
+
+def trim_heap() -> None:
+    """Give the C heap's free pages back to the system, wherever they are in it."""
+    if _LIBC is not None:
+        _LIBC.malloc_trim(0)
+
+
+def _libc() -> Any:
     import ctypes
     import ctypes.util
 
     name = ctypes.util.find_library("c")
-    if name is None:
-        return
     try:
-        libc = ctypes.CDLL(name)
-        libc.mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES)
-    except (OSError, AttributeError):
-        pass
+        libc = ctypes.CDLL(name) if name else None
+        return libc if libc is not None and hasattr(libc, "malloc_trim") else None
+    except OSError:
+        return None
 
 
-M_MMAP_THRESHOLD = -3  # glibc's malloc.h
-MMAP_THRESHOLD_BYTES = 4 << 20
+_LIBC = _libc()
 
 
 def decoder_layers(model: torch.nn.Module) -> tuple[str, torch.nn.ModuleList]:
