@@ -307,7 +307,8 @@ def token_parity(
     report(0.2)
     got_states = final_hidden_states(candidate, sequences)
     report(0.4)
-    chunk = max(1, LOGITS_BYTES // (4 * int(reference.config.vocab_size)))
+    config: Any = reference.config
+    chunk = max(1, LOGITS_BYTES // (4 * int(config.vocab_size)))
     with output_head(reference) as reference_head, output_head(candidate) as candidate_head:
         for expected_hidden, got_hidden in zip(expected_states, got_states, strict=True):
             for start in range(0, expected_hidden.shape[0], chunk):

@@ -92,6 +92,8 @@ def test_check_deploy_is_clean_when_configured_for_production(tmp_path: Path) ->
         ({"FP4PREP_DEBUG": "0", "FP4PREP_SECRET_KEY": ""}, "FP4PREP_SECRET_KEY must be set"),
         ({"FP4PREP_WORKER_KIND": "tpu"}, "FP4PREP_WORKER_KIND='tpu' must be one of cpu, gpu"),
         ({"FP4PREP_WORKER_SLOTS": "0"}, "FP4PREP_WORKER_SLOTS=0 is below its minimum of 1"),
+        ({"FP4PREP_WORKER_DEVICE": "tpu"}, "FP4PREP_WORKER_DEVICE='tpu' must be auto, cpu, cuda or cuda:N"),
+        ({"FP4PREP_RESUME_KEEP_HOURS": "-1"}, "FP4PREP_RESUME_KEEP_HOURS"),
         ({"FP4PREP_WORKER_SLOTS": "two"}, "FP4PREP_WORKER_SLOTS='two' is not a whole number"),
         ({"FP4PREP_BROKER_URL": "amqp://localhost"}, "must be a redis:// URL"),
         ({"DATABASE_URL": "nosuchdb://x"}, "DATABASE_URL="),

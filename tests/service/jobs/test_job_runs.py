@@ -298,3 +298,19 @@ def test_a_gpu_job_on_a_worker_without_the_weights_ends_error(
     assert events[-1]["type"] == "SHAPING_ERROR"
     assert events[-1]["message"].startswith("This worker has no BF16 weights for GLM-5.3")
     assert alice.get("/v1/whoami").json()["held_usd"] == 0
+
+
+def test_a_gpu_worker_refuses_to_start_without_the_cuda_device_it_is_given(tmp_path: Path) -> None:
+    import os
+    import subprocess
+    import sys
+
+    from ..conftest import ROOT
+
+    env = {**os.environ, "FP4PREP_WORKER_DEVICE": "cuda:7", "DATABASE_URL": f"sqlite:///{tmp_path / 'db.sqlite3'}"}
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "manage.py"), "runworker", "--gpu"],
+        capture_output=True, text=True, env=env, cwd=ROOT, timeout=300,
+    )
+    assert done.returncode == 1
+    assert "runworker --gpu needs a CUDA device (cuda:7), and this machine has" in done.stderr
