@@ -11,6 +11,7 @@ from rest_framework.response import Response
 from rest_framework.views import exception_handler as drf_exception_handler
 
 from .errors import ServiceError, TooLarge
+from .text import format_bytes
 
 DRF_CODES = {
     400: "invalid_request",
@@ -139,19 +140,12 @@ def uploaded_file(request: Any, field: str, limit: int, what: str, limiter: Size
     except ValueError:
         declared = 0
     if declared > limit + MULTIPART_OVERHEAD:
-        raise TooLarge(f"{what} is larger than the limit of {_size(limit)} (request body of {declared:,} bytes)")
+        raise TooLarge(f"{what} is larger than the limit of {format_bytes(limit)} (request body of {declared:,} bytes)")
     if limiter is None:
         limiter = limit_uploads(getattr(request, "_request", request), limit)  # a DRF request wraps Django's
     upload = request.FILES.get(field)  # parses the body through the handlers
     if limiter.exceeded:
-        raise TooLarge(f"{what} is larger than the limit of {_size(limit)}; nothing was stored")
+        raise TooLarge(f"{what} is larger than the limit of {format_bytes(limit)}; nothing was stored")
     if upload is None:
         raise ServiceError(f"{field}: a file is required (multipart/form-data field '{field}')")
     return upload
-
-
-def _size(n: int) -> str:
-    for unit, factor in (("GiB", 1024**3), ("MiB", 1024**2), ("KiB", 1024)):
-        if n >= factor and n % factor == 0:
-            return f"{n // factor} {unit}"
-    return f"{n:,} bytes"

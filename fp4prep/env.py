@@ -69,3 +69,22 @@ def env_list(name: str, default: list[str]) -> list[str]:
 def env_path(name: str, default: Path) -> Path:
     value = os.environ.get(name)
     return Path(value).expanduser().resolve() if value else default
+
+
+def secret_key_file(path: Path) -> str:
+    """The key kept in ``path``, made (random, readable by its owner only) the first time."""
+    import secrets
+
+    try:
+        return path.read_text().strip()
+    except FileNotFoundError:
+        pass
+    path.parent.mkdir(parents=True, exist_ok=True)
+    key = secrets.token_urlsafe(50)
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    except FileExistsError:  # another process made it first: use that one
+        return path.read_text().strip()
+    with os.fdopen(fd, "w") as f:
+        f.write(key)
+    return key

@@ -1,8 +1,8 @@
 """fp4prep's Django settings, read from the environment (README, "Running it in production").
 
 Defaults are the embedded setup: SQLite and django-q2's ORM broker under ``var/``, one CPU worker
-slot, DEBUG on. Production sets DATABASE_URL, FP4PREP_BROKER_URL, FP4PREP_SECRET_KEY,
-FP4PREP_DEBUG=0 and FP4PREP_ALLOWED_HOSTS; ``manage.py check --deploy`` is then clean.
+slot, plain HTTP on localhost, DEBUG off. Production sets DATABASE_URL, FP4PREP_BROKER_URL,
+FP4PREP_SECRET_KEY, FP4PREP_HTTPS=1 and FP4PREP_ALLOWED_HOSTS; ``manage.py check --deploy`` is then clean.
 """
 
 from __future__ import annotations
@@ -13,17 +13,18 @@ from pathlib import Path
 import dj_database_url
 from django.core.exceptions import ImproperlyConfigured
 
-from .env import env_bool, env_choice, env_float, env_int, env_list, env_path, env_str
+from .env import env_bool, env_choice, env_float, env_int, env_list, env_path, env_str, secret_key_file
 
 BASE_DIR = Path(__file__).resolve().parent.parent
 VAR_DIR = env_path("FP4PREP_VAR_DIR", BASE_DIR / "var")
 
-DEBUG = env_bool("FP4PREP_DEBUG", True)
-DEV_SECRET_KEY = "django-insecure-fp4prep-development-key-never-use-in-production"
-SECRET_KEY = env_str("FP4PREP_SECRET_KEY") or (DEV_SECRET_KEY if DEBUG else "")
-if not SECRET_KEY:
-    raise ImproperlyConfigured("FP4PREP_SECRET_KEY must be set when FP4PREP_DEBUG is off")
-ALLOWED_HOSTS = env_list("FP4PREP_ALLOWED_HOSTS", ["localhost", "127.0.0.1", "[::1]"] if DEBUG else [])
+# Off unless asked for: Django's debug pages show settings and source to whoever hits an error.
+DEBUG = env_bool("FP4PREP_DEBUG", False)
+# A key of this installation's own, made on first start and kept in var/, when none is given;
+# web processes on several machines must share one, so production sets FP4PREP_SECRET_KEY.
+SECRET_KEY = env_str("FP4PREP_SECRET_KEY") or secret_key_file(VAR_DIR / "secret_key")
+SECRET_KEY_GENERATED = not env_str("FP4PREP_SECRET_KEY")
+ALLOWED_HOSTS = env_list("FP4PREP_ALLOWED_HOSTS", ["localhost", "127.0.0.1", "[::1]"])
 CSRF_TRUSTED_ORIGINS = env_list("FP4PREP_CSRF_TRUSTED_ORIGINS", [])
 
 INSTALLED_APPS = [
@@ -104,6 +105,8 @@ WEIGHTS_ROOT = env_path("FP4PREP_WEIGHTS_ROOT", VAR_DIR / "weights")
 CALIBRATION_MAX_BYTES = env_int("FP4PREP_CALIBRATION_MAX_BYTES", 64 * 1024 * 1024, minimum=1)
 ADAPTER_MAX_BYTES = env_int("FP4PREP_ADAPTER_MAX_BYTES", 8 * 1024**3, minimum=1)
 ADAPTER_MAX_FILES = env_int("FP4PREP_ADAPTER_MAX_FILES", 1000, minimum=1)
+# What one project's uploads (adapter revisions, calibration files) may take on the artifact store.
+PROJECT_STORAGE_BYTES = env_int("FP4PREP_PROJECT_STORAGE_BYTES", 50 * 1024**3, minimum=1)
 FILE_UPLOAD_MAX_MEMORY_SIZE = 4 * 1024 * 1024
 
 # --- Workers (django-q2) ---------------------------------------------------------------------------
@@ -183,11 +186,16 @@ STATICFILES_DIRS = [BASE_DIR / "static"]
 STATIC_ROOT = env_path("FP4PREP_STATIC_ROOT", VAR_DIR / "static")
 # Served from the finders too, so a fresh checkout works without collectstatic (production runs it).
 WHITENOISE_USE_FINDERS = True
+# Error reports (the debug page, mails to admins) hide URLs that carry passwords too.
+DEFAULT_EXCEPTION_REPORTER_FILTER = "fp4prep.web.SettingsFilter"
 LOGIN_URL = "login"
 LOGIN_REDIRECT_URL = "home"
 LOGOUT_REDIRECT_URL = "login"
 
-if not DEBUG:
+# Served over HTTPS (directly or behind a TLS proxy): cookies only over TLS, HSTS, redirects to https.
+# Off for the embedded setup, which serves plain HTTP on localhost.
+HTTPS = env_bool("FP4PREP_HTTPS", False)
+if HTTPS:
     SECURE_SSL_REDIRECT = env_bool("FP4PREP_SSL_REDIRECT", True)
     SECURE_HSTS_SECONDS = env_int("FP4PREP_HSTS_SECONDS", 31536000, minimum=0)
     SECURE_HSTS_INCLUDE_SUBDOMAINS = True

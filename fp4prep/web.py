@@ -7,6 +7,7 @@ exists. Service errors from the verbs the API also uses become the same messages
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from functools import wraps
 from typing import Any, Concatenate, ParamSpec
@@ -17,6 +18,7 @@ from django.core.paginator import Page, Paginator
 from django.db.models import QuerySet
 from django.http import Http404, HttpRequest, HttpResponse
 from django.utils.functional import SimpleLazyObject
+from django.views.debug import SafeExceptionReporterFilter
 from django.views.decorators.csrf import csrf_exempt, csrf_protect
 
 from fp4prep.api import limit_uploads, uploaded_file
@@ -28,6 +30,13 @@ PAGE_SIZE = 25
 SESSION_PROJECT = "project_id"
 
 ProjectView = Callable[Concatenate[HttpRequest, Project, P], HttpResponse]
+
+
+class SettingsFilter(SafeExceptionReporterFilter):
+    """Django's filter hides settings named like keys and passwords; ours hides database and broker
+    URLs too (``postgres://user:password@…``, ``redis://:password@…``)."""
+
+    hidden_settings = re.compile("API|AUTH|TOKEN|KEY|SECRET|PASS|SIGNATURE|HTTP_COOKIE|URL|DATABASE|Q_CLUSTER|CACHES", flags=re.I)
 
 
 def member_projects(user: Any) -> QuerySet[Project]:

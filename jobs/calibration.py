@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import hashlib
+import os
 import shutil
 from collections.abc import Iterator
 from typing import IO, Any
 
 from fp4prep.errors import InvalidInput
 from fp4prep.pipeline.conversations import validate
+from fp4prep.text import excerpt, format_bytes
 from registry.models import Project
+from registry.services import quota_exceeded, storage_left
 
 from .models import CalibrationFile
 
@@ -28,7 +31,10 @@ def store(project: Project, stream: IO[bytes], filename: str, purpose: str = "ca
     """Validate every line and keep the file with its report; a file that fails is kept as ``error``
     so its report can be read, and no job accepts it."""
     if purpose not in PURPOSES:
-        raise InvalidInput(f"purpose: must be one of {', '.join(PURPOSES)}, not {purpose!r}")
+        raise InvalidInput(f"purpose: must be one of {', '.join(PURPOSES)}, not {excerpt(purpose)}")
+    size = stream.seek(0, os.SEEK_END)
+    if size > storage_left(project):
+        raise quota_exceeded(project, f"this {format_bytes(size)} file")
     record = CalibrationFile(project=project, purpose=purpose, filename=filename[:255] or "calibration.jsonl")
     record.path.parent.mkdir(parents=True, exist_ok=True)
     tmp = record.path.with_suffix(".part")
@@ -36,7 +42,7 @@ def store(project: Project, stream: IO[bytes], filename: str, purpose: str = "ca
     try:
         with tmp.open("wb") as copy:
             stream.seek(0)
-            report, _ = validate(_lines(stream, digest, copy))
+            report = validate(_lines(stream, digest, copy))
         record.size_bytes = tmp.stat().st_size
         record.sha256 = digest.hexdigest()
         record.status = CalibrationFile.Status.PROCESSED if report.ok else CalibrationFile.Status.ERROR

@@ -27,17 +27,27 @@ def check_settings(app_configs: Any = None, **kwargs: Any) -> list[Any]:
                 id="fp4prep.E002",
             )
         )
+    return problems
+
+
+@register(Tags.security, deploy=True)
+def check_deployment(app_configs: Any = None, **kwargs: Any) -> list[Any]:
+    """``check --deploy``: what the embedded setup is allowed and production is not."""
+    problems: list[Any] = []
     engine = settings.DATABASES["default"]["ENGINE"]
-    if not settings.DEBUG and engine.endswith("sqlite3"):
+    if engine.endswith("sqlite3"):
         problems.append(
             Warning("SQLite in production: workers on other machines can't reach it", id="fp4prep.W001",
                     hint="Set DATABASE_URL to a PostgreSQL database.")
         )
-    if not settings.DEBUG and not settings.BROKER_URL:
+    if not settings.BROKER_URL:
         problems.append(
             Warning("django-q2's ORM broker in production: it polls the database", id="fp4prep.W002",
                     hint="Set FP4PREP_BROKER_URL to a redis:// URL.")
         )
-    if settings.SECRET_KEY == settings.DEV_SECRET_KEY and not settings.DEBUG:
-        problems.append(Error("the development secret key is in use with DEBUG off", id="fp4prep.E003"))
+    if settings.SECRET_KEY_GENERATED and not engine.endswith("sqlite3"):
+        problems.append(
+            Warning("the secret key was generated on this machine: web processes elsewhere have another", id="fp4prep.W003",
+                    hint="Set FP4PREP_SECRET_KEY to one long random key shared by every web process.")
+        )
     return problems

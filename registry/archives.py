@@ -1,93 +1,252 @@
-"""Checking and unpacking an uploaded adapter archive (.tar.gz or .zip) before anything is stored."""
+"""Checking and unpacking an uploaded adapter archive (.tar.gz, .tar or .zip) before anything is stored.
+
+An archive is read member by member, as a stream: every header is checked before its member's
+bytes are written, and the running unpacked size is checked as it grows, so a few megabytes that
+inflate to gigabytes are refused after reading at most the limit, never after inflating it all.
+The weights' safetensors header is checked (floats that tile the file exactly; LoRA pairs of one
+rank; with the base's weight shapes, each change the shape of the weight it targets) before the
+weights themselves are written.
+"""
 
 from __future__ import annotations
 
+import gzip
 import json
-import lzma
 import shutil
 import stat
 import tarfile
 import zipfile
 import zlib
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
+from typing import IO, Any
 
 from fp4prep.errors import InvalidInput, TooLarge
+from fp4prep.pipeline.adapter_files import (
+    CONFIG_NAME,
+    WEIGHTS_NAME,
+    Shape,
+    check_against_base,
+    check_config,
+    lora_pairs,
+    read_header,
+)
+from fp4prep.pipeline.errors import UserError
+from fp4prep.text import clip, excerpt
 
-ADAPTER_CONFIG = "adapter_config.json"
-WEIGHTS = ("adapter_model.safetensors", "adapter_model.bin")
+ADAPTER_CONFIG = CONFIG_NAME
+WEIGHTS = (WEIGHTS_NAME, "adapter_model.bin")
+CHUNK = 1024 * 1024
+# tar frames every member with a 512-byte header and pads it to 512 bytes; pax headers add a few more.
+TAR_FRAMING_PER_MEMBER = 4 * 512
+# Deflate and gzip both; the rest (bzip2, xz, lzma) is refused before it is decompressed.
+ZIP_METHODS = {zipfile.ZIP_STORED: "stored", zipfile.ZIP_DEFLATED: "deflated"}
+MAGIC = [
+    (b"BZh", "bzip2"),
+    (b"\xfd7zXZ\x00", "xz"),
+    (b"\x28\xb5\x2f\xfd", "zstd"),
+    (b"7z\xbc\xaf\x27\x1c", "7z"),
+    (b"Rar!", "rar"),
+]
+
+
+def invalid(message: str) -> InvalidInput:
+    return InvalidInput(message, code="invalid_archive")
+
+
+@dataclass
+class _Budget:
+    """What may still be unpacked: bytes and files, counted as they are written."""
+
+    max_bytes: int
+    max_files: int
+    written: int = 0
+    files: int = 0
+    names: set[str] = field(default_factory=set)
+
+    def add_file(self, name: str, declared: int) -> None:
+        self.files += 1
+        if self.files > self.max_files:
+            raise invalid(f"archive holds more than {self.max_files} files; at most {self.max_files} are accepted")
+        if name in self.names:
+            raise invalid(f"archive holds {excerpt(name)} twice")
+        self.names.add(name)
+        if self.written + declared > self.max_bytes:
+            raise TooLarge(
+                f"archive unpacks to more than {self.max_bytes:,} bytes ({excerpt(name)} alone declares {declared:,}); "
+                "nothing was stored"
+            )
+
+    def count(self, n: int) -> None:
+        self.written += n
+        if self.written > self.max_bytes:
+            raise TooLarge(f"archive unpacks to more than {self.max_bytes:,} bytes; nothing was stored")
+
+
+class _Bounded:
+    """A read-only stream that stops once more than ``limit`` bytes have come out of it: what tar
+    reads between members (pax headers, padding) counts too."""
+
+    def __init__(self, raw: Any, limit: int) -> None:
+        self.raw, self.limit, self.consumed = raw, limit, 0
+
+    def read(self, size: int = -1) -> bytes:
+        if size is None or size < 0:
+            return b"".join(iter(lambda: self.read(CHUNK), b""))
+        data = self.raw.read(size)
+        self.consumed += len(data)
+        if self.consumed > self.limit:
+            raise TooLarge(f"archive unpacks to more than {self.limit:,} bytes; nothing was stored")
+        return data
+
+
+EXTENDED_HEADER_MAX = 1024 * 1024
+_EXTENDED_TYPES = (tarfile.XHDTYPE, tarfile.XGLTYPE, tarfile.SOLARIS_XHDTYPE, tarfile.GNUTYPE_LONGNAME, tarfile.GNUTYPE_LONGLINK)
+
+
+class _MemberInfo(tarfile.TarInfo):
+    """tarfile reads a pax or GNU long-name header whole into memory, whatever size it declares:
+    refuse one over a megabyte before it is read (a name or a few attributes take bytes)."""
+
+    def _proc_member(self, tarfile: Any) -> Any:
+        if self.type in _EXTENDED_TYPES and self.size > EXTENDED_HEADER_MAX:
+            raise invalid(f"archive has an extended header of {self.size:,} bytes; names and attributes take far less")
+        return super()._proc_member(tarfile)  # type: ignore[misc]
 
 
 def _check_name(name: str) -> PurePosixPath:
     path = PurePosixPath(name)
-    if path.is_absolute() or name.startswith(("/", "\\")) or ".." in path.parts or "\\" in name or ":" in name:
-        raise InvalidInput(f"archive member {name!r} has an unsafe path (absolute, '..', or a drive)", code="invalid_archive")
+    if (
+        not name
+        or path.is_absolute()
+        or name.startswith(("/", "\\"))
+        or ".." in path.parts
+        or "\\" in name
+        or ":" in name
+        or any(ord(c) < 32 for c in name)
+        or len(name) > 255
+    ):
+        raise invalid(f"archive member {excerpt(name)} has an unsafe path (absolute, '..', a drive or control characters)")
     return path
 
 
-def extract(archive: Path, target: Path, *, max_bytes: int, max_files: int) -> Path:
+class _Adapter:
+    """What the member checks learn on the way: the config (once read) and the weights' shapes."""
+
+    def __init__(self, base_shapes: dict[str, Any] | None) -> None:
+        self.base_shapes = base_shapes
+        self.config: dict[str, Any] | None = None
+        self.shapes: dict[str, Shape] | None = None
+
+    def copy(self, name: PurePosixPath, source: IO[bytes], size: int, target: Path, budget: _Budget) -> None:
+        """Write one member, checking the weights' header before their data."""
+        out = target / name
+        out.parent.mkdir(parents=True, exist_ok=True)
+        with out.open("wb") as dst:
+            if name.name == WEIGHTS_NAME:
+                head, self.shapes = read_header(source, size)
+                check_against_base(self.shapes, self.config, self.base_shapes)
+                budget.count(len(head))
+                dst.write(head)
+            elif name.name == ADAPTER_CONFIG and size > CHUNK:
+                raise invalid(f"{ADAPTER_CONFIG} is {size:,} bytes; a PEFT config is a few KB")
+            remaining = size - dst.tell()
+            while remaining > 0:
+                chunk = source.read(min(CHUNK, remaining))
+                if not chunk:
+                    raise invalid(f"archive member {excerpt(str(name))} is shorter than it declares")
+                remaining -= len(chunk)
+                budget.count(len(chunk))
+                dst.write(chunk)
+            if source.read(1):
+                raise invalid(f"archive member {excerpt(str(name))} is larger than it declares")
+        if name.name == ADAPTER_CONFIG:
+            self.config = _read_config(out)
+
+
+def extract(archive: Path, target: Path, *, max_bytes: int, max_files: int, base_shapes: dict[str, Any] | None = None) -> Path:
     """Unpack into ``target`` and return the adapter directory inside it, or raise naming the problem.
 
-    Refused before anything is written: absolute or '..' paths, links, devices, more than
-    ``max_files`` members, more than ``max_bytes`` uncompressed. Then the PEFT files must be there.
+    Refused as soon as it is seen: a format other than .tar.gz, .tar or .zip; absolute or '..'
+    paths, links, devices; more than ``max_files`` files or ``max_bytes`` unpacked; a weights file
+    that is not a safetensors file of LoRA matrices fitting ``base_shapes``. Then the PEFT files
+    must be there and the config must be one the merge can apply.
     """
+    adapter = _Adapter(base_shapes)
+    budget = _Budget(max_bytes, max_files)
+    target.mkdir(parents=True, exist_ok=True)
     try:
-        _unpack(archive, target, max_bytes, max_files)
-    except (tarfile.TarError, zipfile.BadZipFile, EOFError, zlib.error, lzma.LZMAError, OSError) as exc:
-        raise InvalidInput(f"archive is truncated or corrupt: {exc}", code="invalid_archive") from None
-    return _adapter_dir(target)
+        with archive.open("rb") as f:
+            magic = f.read(512)
+        for prefix, fmt in MAGIC:
+            if magic.startswith(prefix):
+                raise invalid(f"archive is compressed with {fmt}; upload a .tar.gz, .tar or .zip")
+        if magic.startswith(b"\x1f\x8b"):
+            with gzip.open(archive, "rb") as stream:
+                _untar(stream, target, budget, adapter)
+        elif magic.startswith(b"PK"):
+            _unzip(archive, target, budget, adapter)
+        elif len(magic) >= 262 and magic[257:262] == b"ustar":
+            with archive.open("rb") as stream:
+                _untar(stream, target, budget, adapter)
+        else:
+            raise invalid("file is not a .tar.gz, .tar or .zip archive")
+    except UserError as exc:
+        raise invalid(str(exc)) from None
+    except (tarfile.TarError, zipfile.BadZipFile, EOFError, zlib.error, gzip.BadGzipFile, OSError) as exc:
+        raise invalid(f"archive is truncated or corrupt: {clip(str(exc), 120)}") from None
+    directory = _adapter_dir(target)
+    _check_adapter(directory, base_shapes)
+    return directory
 
 
-def _unpack(archive: Path, target: Path, max_bytes: int, max_files: int) -> None:
-    members: list[tuple[PurePosixPath, int]] = []
-    if tarfile.is_tarfile(archive):
-        with tarfile.open(archive) as tar:
-            tar_infos = tar.getmembers()
-            for info in tar_infos:
-                path = _check_name(info.name)
-                if info.issym() or info.islnk():
-                    raise InvalidInput(f"archive member {info.name!r} is a link; links are not accepted", code="invalid_archive")
-                if not (info.isfile() or info.isdir()):
-                    raise InvalidInput(f"archive member {info.name!r} is not a regular file or directory", code="invalid_archive")
-                if info.isfile():
-                    members.append((path, info.size))
-            _check_totals(members, max_bytes, max_files)
-            target.mkdir(parents=True, exist_ok=True)
-            tar.extractall(target, members=[i for i in tar_infos if i.isfile() or i.isdir()], filter="data")
-    elif zipfile.is_zipfile(archive):
-        with zipfile.ZipFile(archive) as zf:
-            zip_infos = zf.infolist()
-            for zinfo in zip_infos:
-                path = _check_name(zinfo.filename)
-                mode = zinfo.external_attr >> 16
-                if stat.S_ISLNK(mode):
-                    raise InvalidInput(f"archive member {zinfo.filename!r} is a link; links are not accepted", code="invalid_archive")
-                if not zinfo.is_dir():
-                    members.append((path, zinfo.file_size))
-            _check_totals(members, max_bytes, max_files)
-            target.mkdir(parents=True, exist_ok=True)
-            for zinfo in zip_infos:
-                if zinfo.is_dir():
-                    continue
-                out = target / zinfo.filename
-                out.parent.mkdir(parents=True, exist_ok=True)
-                with zf.open(zinfo) as src, out.open("wb") as dst:
-                    # Count what is really written: a zip's declared sizes can lie.
-                    written = 0
-                    while chunk := src.read(1024 * 1024):
-                        written += len(chunk)
-                        if written > zinfo.file_size:
-                            raise InvalidInput(f"archive member {zinfo.filename!r} is larger than it declares", code="invalid_archive")
-                        dst.write(chunk)
-    else:
-        raise InvalidInput("file is not a .tar.gz, .tar or .zip archive", code="invalid_archive")
+def _untar(stream: Any, target: Path, budget: _Budget, adapter: _Adapter) -> None:
+    bounded = _Bounded(stream, budget.max_bytes + TAR_FRAMING_PER_MEMBER * (budget.max_files + 2) + CHUNK)
+    with tarfile.open(fileobj=bounded, mode="r|", tarinfo=_MemberInfo) as tar:  # type: ignore[call-overload]
+        for info in tar:
+            path = _check_name(info.name)
+            if info.issym() or info.islnk():
+                raise invalid(f"archive member {excerpt(info.name)} is a link; links are not accepted")
+            if info.isdir():
+                (target / path).mkdir(parents=True, exist_ok=True)
+                continue
+            if not info.isfile():
+                raise invalid(f"archive member {excerpt(info.name)} is not a regular file or directory")
+            budget.add_file(str(path), info.size)
+            source = tar.extractfile(info)
+            assert source is not None
+            adapter.copy(path, source, info.size, target, budget)
 
 
-def _check_totals(members: list[tuple[PurePosixPath, int]], max_bytes: int, max_files: int) -> None:
-    if len(members) > max_files:
-        raise InvalidInput(f"archive holds {len(members)} files; at most {max_files} are accepted", code="invalid_archive")
-    total = sum(size for _, size in members)
-    if total > max_bytes:
-        raise TooLarge(f"archive unpacks to {total:,} bytes; at most {max_bytes:,} are accepted")
+def _unzip(archive: Path, target: Path, budget: _Budget, adapter: _Adapter) -> None:
+    with zipfile.ZipFile(archive) as zf:
+        for info in zf.infolist():
+            path = _check_name(info.filename.rstrip("/") if info.is_dir() else info.filename)
+            if stat.S_ISLNK(info.external_attr >> 16):
+                raise invalid(f"archive member {excerpt(info.filename)} is a link; links are not accepted")
+            if info.is_dir():
+                (target / path).mkdir(parents=True, exist_ok=True)
+                continue
+            if info.compress_type not in ZIP_METHODS:
+                raise invalid(
+                    f"archive member {excerpt(info.filename)} is compressed with method {info.compress_type}; "
+                    "only stored and deflated zip members are accepted"
+                )
+            budget.add_file(str(path), info.file_size)
+            with zf.open(info) as source:  # a zip's declared sizes can lie: copy counts what comes out
+                adapter.copy(path, source, info.file_size, target, budget)
+
+
+def _read_config(path: Path) -> dict[str, Any]:
+    try:
+        config = json.loads(path.read_text())
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
+        raise invalid(f"{ADAPTER_CONFIG} is not valid JSON: {clip(str(exc), 120)}") from None
+    if not isinstance(config, dict):
+        raise invalid(f"{ADAPTER_CONFIG} must hold a JSON object")
+    return config
 
 
 def _adapter_dir(root: Path) -> Path:
@@ -95,17 +254,40 @@ def _adapter_dir(root: Path) -> Path:
     candidates = [root] + [p for p in root.iterdir() if p.is_dir()]
     found = [d for d in candidates if (d / ADAPTER_CONFIG).is_file()]
     if not found:
-        raise InvalidInput(f"archive has no {ADAPTER_CONFIG} at its top level (or in one top-level directory)", code="invalid_archive")
+        raise invalid(f"archive has no {ADAPTER_CONFIG} at its top level (or in one top-level directory)")
     directory = found[0]
     if not any((directory / name).is_file() for name in WEIGHTS):
-        raise InvalidInput(f"archive has {ADAPTER_CONFIG} but no {' or '.join(WEIGHTS)} beside it", code="invalid_archive")
-    try:
-        config = json.loads((directory / ADAPTER_CONFIG).read_text())
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise InvalidInput(f"{ADAPTER_CONFIG} is not valid JSON: {exc}", code="invalid_archive") from None
-    if not isinstance(config, dict) or str(config.get("peft_type", "")).upper() != "LORA":
-        raise InvalidInput(f"{ADAPTER_CONFIG} does not describe a LoRA adapter (peft_type {config.get('peft_type') if isinstance(config, dict) else None!r})", code="invalid_archive")
+        raise invalid(f"archive has {ADAPTER_CONFIG} but no {' or '.join(WEIGHTS)} beside it")
     return directory
+
+
+def _check_adapter(directory: Path, base_shapes: dict[str, Any] | None) -> None:
+    """The config against the weights, as the merge will read them (the headers again, from disk)."""
+    config = _read_config(directory / ADAPTER_CONFIG)
+    weights = directory / WEIGHTS_NAME
+    try:
+        if weights.is_file():
+            with weights.open("rb") as f:
+                _, shapes = read_header(f, weights.stat().st_size)
+            check_against_base(shapes, config, base_shapes)
+            check_config(config, lora_pairs(shapes)[0])
+        else:
+            check_config(config, [])  # adapter_model.bin: its tensors are read when the job merges it
+    except UserError as exc:
+        raise invalid(str(exc)) from None
+
+
+@contextmanager
+def unpacking(root: Path) -> Iterator[Path]:
+    """A fresh directory under ``root`` for one archive, removed however the block ends."""
+    import tempfile
+
+    root.mkdir(parents=True, exist_ok=True)
+    unpacked = Path(tempfile.mkdtemp(prefix="adapter-", dir=root))
+    try:
+        yield unpacked
+    finally:
+        shutil.rmtree(unpacked, ignore_errors=True)
 
 
 def flatten(adapter_dir: Path, root: Path) -> None:

@@ -8,6 +8,30 @@ from typing import Any
 
 from fp4prep import ids
 
+
+def _llama_shapes(layers: int, hidden: int, intermediate: int, kv_width: int, vocab: int) -> dict[str, Any]:
+    """The weight shapes of a Llama-architecture checkpoint with tied embeddings."""
+    layer = "model.layers.*."
+    return {
+        "layers": layers,
+        "tensors": {
+            "model.embed_tokens.weight": [vocab, hidden],
+            layer + "input_layernorm.weight": [hidden],
+            layer + "mlp.down_proj.weight": [hidden, intermediate],
+            layer + "mlp.gate_proj.weight": [intermediate, hidden],
+            layer + "mlp.up_proj.weight": [intermediate, hidden],
+            layer + "post_attention_layernorm.weight": [hidden],
+            layer + "self_attn.k_proj.weight": [kv_width, hidden],
+            layer + "self_attn.o_proj.weight": [hidden, hidden],
+            layer + "self_attn.q_proj.weight": [hidden, hidden],
+            layer + "self_attn.v_proj.weight": [kv_width, hidden],
+            "model.norm.weight": [hidden],
+        },
+    }
+
+
+# GLM-5.3's and Kimi-K3's weight shapes are filled from their weights where a worker has them
+# (`manage.py baseshapes glm-5.3`); until then their adapters' shapes are checked when a job merges.
 CATALOGUE: list[dict[str, Any]] = [
     {
         "slug": "glm-5.3",
@@ -53,6 +77,8 @@ CATALOGUE: list[dict[str, Any]] = [
         "price_per_gpu_hour": Decimal("2.00"),
         "worker_kind": "cpu",
         "weights_location": "embedded:smollm2",
+        # SmolLM2-135M: 30 layers, hidden 576, MLP 1536, 3 KV heads of 64, vocabulary 49,152, tied head.
+        "weight_shapes": _llama_shapes(30, 576, 1536, 192, 49152),
         "profiles": [("cr_SmoLm2Nvfp4RtxPro6000", "SmolLM2 NVFP4 on 1x RTX PRO 6000", "NVIDIA RTX PRO 6000 Blackwell", 1, "nvfp4")],
     },
 ]
@@ -70,10 +96,14 @@ def install(apps: Any) -> None:
     SupportedBase = apps.get_model("registry", "SupportedBase")
     DeploymentProfile = apps.get_model("registry", "DeploymentProfile")
     Model = apps.get_model("registry", "Model")
+    # An earlier migration's model lacks the fields added since: give it only the ones it has.
+    fields = {f.name for f in SupportedBase._meta.get_fields()}
     for entry in CATALOGUE:
         entry = dict(entry)
         profiles = entry.pop("profiles")
-        base, _ = SupportedBase.objects.update_or_create(slug=entry.pop("slug"), defaults=entry)
+        slug = entry.pop("slug")
+        defaults = {k: v for k, v in entry.items() if k in fields}
+        base, _ = SupportedBase.objects.update_or_create(slug=slug, defaults=defaults)
         for pk, name, hardware, gpus, quantization in profiles:
             DeploymentProfile.objects.update_or_create(
                 id=pk,

@@ -44,6 +44,12 @@ class Project(models.Model):
     def __str__(self) -> str:
         return f"{self.name} ({self.id})"
 
+    def stored_bytes(self) -> int:
+        """What the project's uploads take on the artifact store: adapter revisions and calibration files."""
+        adapters = Revision.objects.filter(model__project=self, model__kind=Model.Kind.ADAPTER)
+        uploads = adapters.aggregate(total=Sum("size_bytes", default=0))["total"]
+        return int(uploads) + int(self.files.aggregate(total=Sum("size_bytes", default=0))["total"])
+
     def credit(self) -> Credit:
         """The ledger summed in one query."""
         kinds = CreditTransaction.Kind
@@ -160,6 +166,10 @@ class SupportedBase(models.Model):
     weights_location = models.CharField(
         max_length=500, help_text="BF16 weights: a directory under FP4PREP_WEIGHTS_ROOT, an absolute path, or 'embedded:smollm2'"
     )
+    # {"layers": N, "tensors": {"model.layers.*.self_attn.q_proj.weight": [out, in], ...}}: what an
+    # uploaded adapter's LoRA matrices are checked against before it is stored. Empty: checked by
+    # the job's merge instead. `manage.py baseshapes SLUG` fills it from the weights.
+    weight_shapes = models.JSONField(default=dict, blank=True)
     active = models.BooleanField(default=True)
 
     class Meta:

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import shutil
-import tempfile
 from decimal import Decimal
 from pathlib import Path
 from typing import Any
@@ -11,7 +9,8 @@ from typing import Any
 from django.conf import settings
 from django.db import transaction
 
-from fp4prep.errors import InvalidInput
+from fp4prep.errors import InvalidInput, TooLarge
+from fp4prep.text import format_bytes
 
 from . import archives
 from .artifacts import store_revision
@@ -30,6 +29,19 @@ def create_project(name: str, credit: Decimal = Decimal(0), user: Any = None) ->
     return project, raw
 
 
+def storage_left(project: Project) -> int:
+    return max(settings.PROJECT_STORAGE_BYTES - project.stored_bytes(), 0)
+
+
+def quota_exceeded(project: Project, what: str) -> TooLarge:
+    used, quota = project.stored_bytes(), settings.PROJECT_STORAGE_BYTES
+    return TooLarge(
+        f"Project {project.id} has used {format_bytes(used)} of its {format_bytes(quota)} storage quota; "
+        f"{what} does not fit in the rest. Nothing was stored: delete old uploads or ask support for more.",
+        code="storage_quota_exceeded",
+    )
+
+
 def register_adapter(
     project: Project, archive: Path, *, base_model: str, name: str = "", model_id: str | None = None
 ) -> tuple[Model, Revision]:
@@ -46,13 +58,18 @@ def register_adapter(
             raise InvalidInput(
                 f"model {model_id} records base {model.base_model}; a new revision must be trained on the same base, not {base_model}"
             )
-    root = settings.ARTIFACT_ROOT / "incoming"
-    root.mkdir(parents=True, exist_ok=True)
-    unpacked = Path(tempfile.mkdtemp(prefix="adapter-", dir=root))
-    try:
-        adapter_dir = archives.extract(
-            archive, unpacked, max_bytes=settings.ADAPTER_MAX_BYTES, max_files=settings.ADAPTER_MAX_FILES
-        )
+    supported = SupportedBase.for_base_id(base_model)
+    max_bytes, quota_left = settings.ADAPTER_MAX_BYTES, storage_left(project)
+    with archives.unpacking(settings.ARTIFACT_ROOT / "incoming") as unpacked:
+        try:
+            adapter_dir = archives.extract(
+                archive, unpacked, max_bytes=min(max_bytes, quota_left), max_files=settings.ADAPTER_MAX_FILES,
+                base_shapes=supported.weight_shapes if supported else None,
+            )
+        except TooLarge:
+            if quota_left < max_bytes:
+                raise quota_exceeded(project, "this adapter") from None
+            raise
         archives.flatten(adapter_dir, unpacked)
         with transaction.atomic():  # a new adapter exists only with its first revision
             if model is None:
@@ -61,9 +78,7 @@ def register_adapter(
                     kind=Model.Kind.ADAPTER,
                     name=name.strip() or f"adapter on {base_model}",
                     base_model=base_model,
-                    supported_base=SupportedBase.for_base_id(base_model),
+                    supported_base=supported,
                 )
             revision = store_revision(model, unpacked, metadata={"source": "upload"})
-    finally:
-        shutil.rmtree(unpacked, ignore_errors=True)
     return model, revision

@@ -13,6 +13,8 @@ import warnings
 from pathlib import Path
 from typing import Any
 
+from fp4prep.text import format_bytes
+
 EXIT_USER_ERROR = 2
 EXIT_ERROR = 1
 EXIT_CANCELLED = 130
@@ -50,20 +52,12 @@ class StageBars:
             self.bar = None
 
 
-def _size(n: int) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if n < 1024 or unit == "GiB":
-            return f"{n:.1f} {unit}" if unit != "B" else f"{n} B"
-        n /= 1024  # type: ignore[assignment]
-    return str(n)
-
-
 def summary(result: Any) -> str:
     lines = [
         f"Wrote {result.quantization} checkpoint to {result.output_dir}",
         f"  computed on    {result.device}"
         + (f", resumed from layer {result.resumed_from_layer + 1}" if result.resumed_from_layer else ""),
-        f"  size           {_size(result.output_bytes)} (BF16 merged: {_size(result.bf16_bytes)}, "
+        f"  size           {format_bytes(result.output_bytes)} (BF16 merged: {format_bytes(result.bf16_bytes)}, "
         f"{result.output_bytes / result.bf16_bytes:.2f}x)",
         "  time per stage " + ", ".join(f"{k} {v:.1f}s" for k, v in result.stage_seconds.items()),
         f"  calibration    {result.corpus.user_tokens:,} user + {result.corpus.general_tokens:,} general tokens, "

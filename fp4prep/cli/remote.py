@@ -115,7 +115,7 @@ def cmd_estimate(client: Client, args: argparse.Namespace) -> int:
         from fp4prep.pipeline.conversations import validate
 
         with path.open("rb") as stream:
-            report, _ = validate(stream)
+            report = validate(stream)
         if not report.ok:
             _print_report(path.name, report)
             raise Refused(f"{path} failed validation; fix the lines above")

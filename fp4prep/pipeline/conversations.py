@@ -2,6 +2,8 @@
 
 ``validate`` streams a file and reports every bad line (up to a cap) with its number and what is
 wrong, so the service can store the report and the pipeline can refuse what the report refuses.
+It keeps counts, never the rows: a 64 MiB file is checked in the memory of its longest line.
+Values quoted back in a message are cut short (``excerpt``).
 """
 
 from __future__ import annotations
@@ -11,6 +13,8 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from fp4prep.text import excerpt
 
 from .errors import UserError
 
@@ -79,7 +83,7 @@ def _check_message(message: Any, i: int) -> str | None:
         return f"{where} must be an object"
     role = message.get("role")
     if role not in ROLES:
-        return f"{where}.role must be one of {', '.join(ROLES)}, not {role!r}"
+        return f"{where}.role must be one of {', '.join(ROLES)}, not {excerpt(role)}"
     content = message.get("content")
     calls = message.get("tool_calls")
     if calls is not None:
@@ -126,6 +130,8 @@ def parse_line(text: str) -> tuple[Conversation | None, str | None]:
         row = json.loads(text)
     except json.JSONDecodeError as exc:
         return None, f"not valid JSON ({exc.msg} at column {exc.colno})"
+    except RecursionError:
+        return None, "not valid JSON for a conversation: nested too deeply"
     if not isinstance(row, dict):
         return None, "each line must be a JSON object with a messages list"
     messages = row.get("messages")
@@ -144,7 +150,7 @@ def parse_line(text: str) -> tuple[Conversation | None, str | None]:
             return None, problem
     unknown = set(row) - {"messages", "tools"}
     if unknown:
-        return None, f"unknown field {sorted(unknown)[0]!r}: a line holds messages and tools"
+        return None, f"unknown field {excerpt(sorted(unknown)[0])}: a line holds messages and tools"
     return Conversation(0, messages, tools), None
 
 
@@ -159,10 +165,7 @@ def iter_lines(lines: Iterable[bytes | str]) -> Iterator[tuple[int, str]]:
         yield number, raw
 
 
-def validate(lines: Iterable[bytes | str]) -> tuple[ValidationReport, list[Conversation]]:
-    """Check every line; returns the report and the valid conversations (with line numbers)."""
-    report = ValidationReport()
-    conversations = []
+def _checked(lines: Iterable[bytes | str], report: ValidationReport) -> Iterator[Conversation]:
     for number, text in iter_lines(lines):
         if text == "\x00not utf-8":
             report.add(number, "not UTF-8 text")
@@ -175,9 +178,21 @@ def validate(lines: Iterable[bytes | str]) -> tuple[ValidationReport, list[Conve
         else:
             assert conversation is not None
             conversation.line = number
-            conversations.append(conversation)
             report.conversations += 1
-    return report, conversations
+            yield conversation
+
+
+def validate(lines: Iterable[bytes | str]) -> ValidationReport:
+    """Check every line; the report counts conversations and lists bad lines (up to a cap)."""
+    report = ValidationReport()
+    for _ in _checked(lines, report):
+        pass
+    return report
+
+
+def parse(lines: Iterable[bytes | str]) -> Iterator[Conversation]:
+    """The valid conversations, one at a time, with their line numbers (bad lines are skipped)."""
+    yield from _checked(lines, ValidationReport())
 
 
 def read(path: Path) -> list[Conversation]:
@@ -185,7 +200,8 @@ def read(path: Path) -> list[Conversation]:
     if not path.is_file():
         raise UserError(f"calibration file {path} does not exist")
     with path.open("rb") as f:
-        report, conversations = validate(f)
+        report = validate(f)
     if not report.ok:
         raise UserError(f"calibration file {path.name} did not pass validation: {report.summary()}")
-    return conversations
+    with path.open("rb") as f:
+        return list(parse(f))

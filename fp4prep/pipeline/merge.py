@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import math
-import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,13 +20,9 @@ from typing import Any
 
 import torch
 
+from .adapter_files import CONFIG_NAME, check_config, lora_pairs, pattern_value
 from .checkpoint import SafetensorsFile
 from .errors import UserError
-
-PEFT_PREFIX = "base_model.model."
-_LORA_KEY = re.compile(
-    r"^(?P<module>.+)\.(?P<kind>lora_A|lora_B|lora_embedding_A|lora_embedding_B)(\.[^.]+)?(\.weight)?$"
-)
 
 
 @dataclass
@@ -77,13 +72,13 @@ def load_adapter(directory: Path) -> Adapter:
     directory = Path(directory)
     if not directory.is_dir():
         raise UserError(f"adapter directory {directory} does not exist")
-    config_path = directory / "adapter_config.json"
+    config_path = directory / CONFIG_NAME
     if not config_path.is_file():
-        raise UserError(f"{directory} is not a PEFT adapter: adapter_config.json is missing")
+        raise UserError(f"{directory} is not a PEFT adapter: {CONFIG_NAME} is missing")
     try:
         config = json.loads(config_path.read_text())
-    except json.JSONDecodeError as exc:
-        raise UserError(f"{config_path}: not valid JSON ({exc})") from None
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
+        raise UserError(f"{CONFIG_NAME}: not valid JSON ({exc})") from None
     weights = directory / "adapter_model.safetensors"
     read: Callable[[str], torch.Tensor]
     if weights.is_file():
@@ -96,20 +91,8 @@ def load_adapter(directory: Path) -> Adapter:
         read = tensors.__getitem__
     else:
         raise UserError(f"{directory} has no adapter weights: adapter_model.safetensors is missing")
-    peft_type = str(config.get("peft_type", "")).upper()
-    if peft_type != "LORA":
-        raise UserError(f"the adapter is {peft_type or 'of unknown type'}, not a LoRA adapter")
-    if config.get("use_dora"):
-        raise UserError("DoRA adapters are not supported: train a plain LoRA adapter")
+    check_config(config, lora_pairs(shapes)[0])
     return Adapter(directory, config, shapes, read)
-
-
-def _pattern_value(patterns: dict[str, Any], module: str, default: Any) -> Any:
-    # PEFT matches a pattern against the end of the module's dotted name.
-    for pattern, value in patterns.items():
-        if re.match(rf"(.*\.)?({pattern})$", module):
-            return value
-    return default
 
 
 def plan(
@@ -121,23 +104,16 @@ def plan(
     the base name -> the adapter's stored name.
     """
     config = adapter.config
-    pairs: dict[str, dict[str, str]] = {}
-    replacements: dict[str, str] = {}
-    for key, shape in adapter.shapes.items():
-        name = key.removeprefix(PEFT_PREFIX)
-        match = _LORA_KEY.match(name)
-        if match:
-            pairs.setdefault(match["module"], {})[match["kind"]] = key
-        else:
-            name = name.replace(".modules_to_save.default", "")
-            if name not in base_shapes:
-                raise UserError(f"the adapter saves {name}, which the base model does not have")
-            if shape != base_shapes[name]:
-                raise UserError(
-                    f"the adapter's {name} has shape {shape}, "
-                    f"the base's {base_shapes[name]}: the adapter was trained on another base"
-                )
-            replacements[name] = key
+    pairs, replacements = lora_pairs(adapter.shapes)
+    for name, key in replacements.items():
+        shape = adapter.shapes[key]
+        if name not in base_shapes:
+            raise UserError(f"the adapter saves {name}, which the base model does not have")
+        if shape != base_shapes[name]:
+            raise UserError(
+                f"the adapter's {name} has shape {shape}, "
+                f"the base's {base_shapes[name]}: the adapter was trained on another base"
+            )
     if not pairs and not replacements:
         raise UserError("the adapter holds no LoRA weights")
 
@@ -155,8 +131,8 @@ def plan(
         if target not in base_shapes:
             missing.append(module)
             continue
-        r = int(_pattern_value(config.get("rank_pattern") or {}, module, r_default))
-        alpha = float(_pattern_value(config.get("alpha_pattern") or {}, module, alpha_default))
+        r = int(pattern_value(config, "rank_pattern", module, r_default))
+        alpha = float(pattern_value(config, "alpha_pattern", module, alpha_default))
         a_shape, b_shape = adapter.shapes[a], adapter.shapes[b]
         transposed = bool(config.get("fan_in_fan_out"))
         if transposed:

@@ -45,8 +45,8 @@ def test_validation_reports_every_bad_line_with_its_number_and_problem() -> None
         ),
         "[1, 2]",
     ]
-    report, valid = conversations.validate(lines)
-    assert report.conversations == 2 and [c.line for c in valid] == [1, 7]
+    report = conversations.validate(lines)
+    assert report.conversations == 2 and [c.line for c in conversations.parse(lines)] == [1, 7]
     assert [(e.line, e.message) for e in report.errors] == [
         (2, "not valid JSON (Expecting property name enclosed in double quotes at column 2)"),
         (3, "messages must be a non-empty list"),
@@ -61,7 +61,7 @@ def test_validation_reports_every_bad_line_with_its_number_and_problem() -> None
 
 def test_validation_reports_non_utf8_and_caps_the_list() -> None:
     lines = [b"\xff\xfe"] + [b"{bad"] * 150
-    report, _ = conversations.validate(lines)
+    report = conversations.validate(lines)
     assert report.errors[0].message == "not UTF-8 text"
     assert report.error_count == 151 and len(report.errors) == conversations.MAX_REPORTED_ERRORS
     assert report.summary().endswith("and 146 more")
@@ -78,7 +78,7 @@ def test_an_empty_file_does_not_pass(tmp_path: Path) -> None:
 
 def test_conversations_render_through_the_models_chat_template_with_tools(tokenizer_dir: Path) -> None:
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
-    _, (conversation,) = conversations.validate([json.dumps(TOOL_CALL)])
+    (conversation,) = conversations.parse([json.dumps(TOOL_CALL)])
     ids = corpus.render(tokenizer, conversation)
     text = tokenizer.decode(ids)
     assert "<|im_start|>tool" in text and "It has shipped." in text
@@ -135,3 +135,15 @@ def test_the_embedded_general_text_is_deterministic_and_a_file_replaces_it(tmp_p
     jsonl.write_text('{"text": "a"}\n{"oops": 1}\n')
     with pytest.raises(UserError, match="g.jsonl line 2"):
         list(general_text.documents(jsonl))
+
+
+def test_validation_keeps_counts_not_conversations() -> None:
+    import tracemalloc
+
+    line = json.dumps({"messages": [{"role": "user", "content": "x" * 200}, {"role": "assistant", "content": "y" * 200}]})
+    tracemalloc.start()
+    report = conversations.validate(line for _ in range(20_000))  # ~9 MB of conversations, parsed one at a time
+    _, peak = tracemalloc.get_traced_memory()
+    tracemalloc.stop()
+    assert report.conversations == 20_000 and report.ok
+    assert peak < 1024 * 1024, f"validation held {peak:,} bytes"

@@ -131,7 +131,7 @@ def test_it_refuses_an_adapter_that_is_not_lora(llama_base: Path, tmp_path: Path
     config = json.loads((adapter / "adapter_config.json").read_text())
     config["peft_type"] = "IA3"
     (adapter / "adapter_config.json").write_text(json.dumps(config))
-    with pytest.raises(UserError, match="IA3, not a LoRA adapter"):
+    with pytest.raises(UserError, match="does not describe a LoRA adapter \\(peft_type 'IA3'\\)"):
         merge.load_adapter(adapter)
 
 
@@ -158,3 +158,22 @@ def test_a_copied_base_is_untouched_on_disk(llama_base: Path, tmp_path: Path) ->
     merged_state(llama_base, adapter)
     assert before == {p.name: p.read_bytes() for p in llama_base.glob("*.safetensors")}
     shutil.rmtree(adapter)
+
+
+def test_a_rank_pattern_that_is_not_a_regular_expression_is_a_user_error(llama_base: Path, tmp_path: Path) -> None:
+    adapter = save_adapter(llama_base, tmp_path / "adapter", targets=TARGETS)
+    config = json.loads((adapter / "adapter_config.json").read_text())
+    config["rank_pattern"] = {"v_proj(": 8}
+    (adapter / "adapter_config.json").write_text(json.dumps(config))
+    with pytest.raises(UserError, match=r"rank_pattern key 'v_proj\(' is not a valid regular expression"):
+        merge.load_adapter(adapter)
+
+
+def test_a_pattern_that_would_take_too_long_stops_at_its_timeout_as_a_user_error() -> None:
+    from fp4prep.pipeline.adapter_files import check_config
+
+    # Exponential in the regex engine too once the name is long: the timeout ends it.
+    config = {"peft_type": "LORA", "alpha_pattern": {r"(?:a|a)*(?:a|a)*\.q": 2}}
+    names = ["model.layers.0." + "a" * 200 + ".q_proj"]
+    with pytest.raises(UserError, match="alpha_pattern key .* takes too long to match module names"):
+        check_config(config, names)

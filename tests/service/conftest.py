@@ -81,9 +81,23 @@ def calibration_bytes(tmp_path_factory: pytest.TempPathFactory) -> bytes:
     return write_conversations(tmp_path_factory.mktemp("calibration") / "c.jsonl", 120).read_bytes()
 
 
+def lora_weights(modules: dict[str, tuple[int, int]] | None = None, r: int = 4) -> bytes:
+    """An adapter_model.safetensors of LoRA pairs (``module: (out, in)``); by default the tiny
+    Llama's first q_proj, with a non-zero B as after training."""
+    import torch
+    from safetensors.torch import save
+
+    tensors = {}
+    for module, (out, inp) in (modules or {"model.layers.0.self_attn.q_proj": (64, 64)}).items():
+        tensors[f"base_model.model.{module}.lora_A.weight"] = torch.full((r, inp), 0.01)
+        tensors[f"base_model.model.{module}.lora_B.weight"] = torch.full((out, r), 0.02)
+    return save(tensors)
+
+
 @pytest.fixture
 def catalogue(transactional_db: Any, tiny_base: Path) -> Any:
     """A CPU catalogue entry for the tiny model (the catalogue is data: tests add their own row)."""
+    from fp4prep.pipeline.adapter_files import base_weight_shapes
     from registry.models import SupportedBase
 
     return SupportedBase.objects.create(
@@ -99,6 +113,7 @@ def catalogue(transactional_db: Any, tiny_base: Path) -> Any:
         price_per_gpu_hour=Decimal("2.00"),
         worker_kind="cpu",
         weights_location=str(tiny_base),
+        weight_shapes=base_weight_shapes(tiny_base),
     )
 
 

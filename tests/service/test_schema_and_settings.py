@@ -71,7 +71,7 @@ def test_the_web_process_never_imports_torch() -> None:
 
 
 PRODUCTION = {
-    "FP4PREP_DEBUG": "0",
+    "FP4PREP_HTTPS": "1",
     "FP4PREP_SECRET_KEY": "k" * 30 + "-production-secret-with-plenty-of-entropy-0123456789",
     "FP4PREP_ALLOWED_HOSTS": "fp4prep.example.com",
     "DATABASE_URL": "postgres://postgres@127.0.0.1:5432/postgres",
@@ -85,11 +85,37 @@ def test_check_deploy_is_clean_when_configured_for_production(tmp_path: Path) ->
     assert "no issues" in result.stdout
 
 
+def test_debug_is_off_and_the_secret_key_is_this_installations_own_unless_set(tmp_path: Path) -> None:
+    show = "from django.conf import settings; print(settings.DEBUG, settings.SECRET_KEY)"
+    env = {"FP4PREP_VAR_DIR": str(tmp_path), "FP4PREP_DEBUG": "0", "FP4PREP_SECRET_KEY": ""}
+    first = manage("shell", "-c", show, env={k: v for k, v in env.items() if k != "FP4PREP_DEBUG"})
+    second = manage("shell", "-c", show, env=env)
+    debug, key = first.stdout.splitlines()[-1].split()
+    assert debug == "False" and len(key) >= 50 and second.stdout == first.stdout, first.stderr
+    assert (tmp_path / "secret_key").read_text() == key and (tmp_path / "secret_key").stat().st_mode & 0o777 == 0o600
+    other = manage("shell", "-c", show, env={**env, "FP4PREP_VAR_DIR": str(tmp_path / "elsewhere")})
+    assert other.stdout.splitlines()[-1].split()[1] != key
+    assert manage("shell", "-c", show, env={**env, "FP4PREP_DEBUG": "1"}).stdout.splitlines()[-1].startswith("True ")
+
+
+def test_error_reports_hide_the_database_and_broker_urls() -> None:
+    from django.test import override_settings
+    from django.views.debug import get_default_exception_reporter_filter
+
+    secret = "s3cr3t-pw"
+    with override_settings(
+        Q_CLUSTER={"redis": f"redis://:{secret}@cache:6379/0"}, DATABASE_URL=f"postgres://u:{secret}@db/x",
+        BROKER_URL=f"redis://:{secret}@cache:6379/0",
+    ):
+        get_default_exception_reporter_filter.cache_clear()
+        shown = repr(get_default_exception_reporter_filter().get_safe_settings())
+    assert secret not in shown and "DATABASE_URL" in shown
+
+
 @pytest.mark.parametrize(
     ("env", "message"),
     [
         ({"FP4PREP_DEBUG": "maybe"}, "FP4PREP_DEBUG='maybe' is not a boolean"),
-        ({"FP4PREP_DEBUG": "0", "FP4PREP_SECRET_KEY": ""}, "FP4PREP_SECRET_KEY must be set"),
         ({"FP4PREP_WORKER_KIND": "tpu"}, "FP4PREP_WORKER_KIND='tpu' must be one of cpu, gpu"),
         ({"FP4PREP_WORKER_SLOTS": "0"}, "FP4PREP_WORKER_SLOTS=0 is below its minimum of 1"),
         ({"FP4PREP_WORKER_DEVICE": "tpu"}, "FP4PREP_WORKER_DEVICE='tpu' must be auto, cpu, cuda or cuda:N"),
@@ -110,13 +136,14 @@ def test_bad_settings_stop_start_up_naming_the_variable(env: dict[str, str], mes
         ({"FP4PREP_HEARTBEAT_INTERVAL": "60", "FP4PREP_HEARTBEAT_TIMEOUT": "90"}, "fp4prep.E002"),
         ({**PRODUCTION, "DATABASE_URL": ""}, "fp4prep.W001"),
         ({**PRODUCTION, "FP4PREP_BROKER_URL": ""}, "fp4prep.W002"),
+        ({**PRODUCTION, "FP4PREP_SECRET_KEY": ""}, "fp4prep.W003"),
         ({"FP4PREP_ARTIFACT_ROOT": "{tmp}/a-file/artifacts"}, "fp4prep.E001"),
     ],
 )
 def test_system_checks_catch_settings_that_cannot_work(env: dict[str, str], check_id: str, tmp_path: Path) -> None:
     (tmp_path / "a-file").write_text("not a directory")
     env = {k: v.replace("{tmp}", str(tmp_path)) for k, v in env.items()}
-    result = manage("check", "--fail-level", "WARNING", env={"FP4PREP_VAR_DIR": str(tmp_path), **env})
+    result = manage("check", "--deploy", "--fail-level", "WARNING", env={"FP4PREP_VAR_DIR": str(tmp_path), **env})
     assert result.returncode != 0 and check_id in result.stdout + result.stderr, result.stdout + result.stderr
 
 

@@ -88,3 +88,23 @@ def test_another_projects_file_is_not_found(people: People, calibration_bytes: b
     body = people.alice.upload_file(calibration_bytes).json()
     assert error_of(people.charlie.get(f"/v1/files/{body['id']}")) == (404, "file_not_found", f"Calibration file {body['id']} not found")
     assert people.charlie.get("/v1/files").json()["data"] == []
+
+
+def test_a_line_nested_too_deeply_is_a_line_error_not_a_server_error(people: People) -> None:
+    deep = '{"messages": ' + "[" * 100_000 + "]" * 100_000 + "}"
+    response = people.alice.upload_file(f"{json.dumps(GOOD)}\n{deep}\n".encode())
+    assert response.status_code == 201, response.text[:500]
+    report = response.json()["report"]
+    assert report["errors"] == [{"line": 2, "message": "not valid JSON for a conversation: nested too deeply"}]
+
+
+def test_values_quoted_in_line_errors_are_cut_short(people: People) -> None:
+    huge_role = "r" * (2 * 1024 * 1024)
+    line = json.dumps({"messages": [{"role": huge_role, "content": "x"}]})
+    response = people.alice.upload_file((line + "\n").encode())
+    assert response.status_code == 201 and len(response.content) < 4096
+    (error,) = response.json()["report"]["errors"]
+    assert error["message"] == (
+        "messages[0].role must be one of system, user, assistant, tool, not 'rrrrrrrrrrrrrrrrrrrrrrrrrrrrrrrrrrrrrrr… (2,097,154 characters)"
+    )
+    assert len(people.alice.get("/v1/files").content) < 4096

@@ -13,7 +13,7 @@ import pytest
 from registry.artifacts import manifest
 from registry.models import Model, Revision
 
-from ..conftest import TINY_BASE_ID, People, error_of
+from ..conftest import TINY_BASE_ID, People, error_of, lora_weights
 
 
 def tar_gz(files: dict[str, bytes], links: dict[str, str] | None = None) -> bytes:
@@ -40,7 +40,7 @@ def zipped(files: dict[str, bytes]) -> bytes:
 
 
 LORA_CONFIG = b'{"peft_type": "LORA", "r": 4, "lora_alpha": 8, "target_modules": ["q_proj"]}'
-VALID = {"adapter_config.json": LORA_CONFIG, "adapter_model.safetensors": b"weights"}
+VALID = {"adapter_config.json": LORA_CONFIG, "adapter_model.safetensors": lora_weights()}
 
 
 def test_an_adapter_registers_from_a_tar_gz_and_its_files_are_stored(people: People, catalogue: Any, tiny_adapter_archive: bytes) -> None:
@@ -74,10 +74,10 @@ def test_a_zip_registers_and_a_new_revision_goes_to_the_same_adapter(people: Peo
         (tar_gz({"/etc/adapter_config.json": LORA_CONFIG}), "unsafe path"),
         (tar_gz(VALID, links={"adapter_model.bin": "/etc/passwd"}), "is a link"),
         (zipped({"../../x": b"x", **VALID}), "unsafe path"),
-        (tar_gz({"adapter_model.safetensors": b"w"}), "no adapter_config.json"),
+        (tar_gz({"adapter_model.safetensors": lora_weights()}), "no adapter_config.json"),
         (tar_gz({"adapter_config.json": LORA_CONFIG}), "no adapter_model.safetensors or adapter_model.bin"),
-        (tar_gz({"adapter_config.json": b'{"peft_type": "IA3"}', "adapter_model.safetensors": b"w"}), "does not describe a LoRA adapter"),
-        (tar_gz({"adapter_config.json": b"{oops", "adapter_model.safetensors": b"w"}), "is not valid JSON"),
+        (tar_gz({"adapter_config.json": b'{"peft_type": "IA3"}', "adapter_model.safetensors": lora_weights()}), "does not describe a LoRA adapter"),
+        (tar_gz({"adapter_config.json": b"{oops", "adapter_model.safetensors": lora_weights()}), "is not valid JSON"),
         (b"this is not an archive", "not a .tar.gz, .tar or .zip archive"),
         (tar_gz(VALID)[:120], "is truncated or corrupt"),
     ],
