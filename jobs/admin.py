@@ -9,6 +9,7 @@ from django.db.models import QuerySet
 from django.http import HttpRequest
 
 from fp4prep.errors import ServiceError
+from registry.admin import LoggedActions
 
 from . import services
 from .models import CalibrationFile, Job, JobEvent, Worker
@@ -27,7 +28,7 @@ class EventInline(admin.TabularInline):
 
 
 @admin.register(Job)
-class JobAdmin(admin.ModelAdmin):
+class JobAdmin(LoggedActions):
     list_display = ["id", "project", "status", "stage", "progress_percent", "supported_base", "worker", "created_at"]
     list_filter = ["status", "supported_base", "supported_base__worker_kind", "created_at"]
     search_fields = ["id", "project__id", "project__name", "adapter__id", "worker"]
@@ -49,21 +50,27 @@ class JobAdmin(admin.ModelAdmin):
 
     @admin.action(description="Cancel selected jobs", permissions=["change"])
     def cancel(self, request: HttpRequest, queryset: QuerySet[Job]) -> None:
+        if not (reason := self.reason(request)):
+            return
         for job in queryset.select_related("project"):
             try:
                 services.request_cancel(job.project, job.id)
+                self.log(request, job, "Cancelled", reason)
                 self.message_user(request, f"Job {job.id}: cancellation requested.", messages.SUCCESS)
             except ServiceError as exc:
                 self.message_user(request, exc.message, messages.WARNING)
 
     @admin.action(description="Requeue selected jobs (a new job with the same inputs)", permissions=["change"])
     def requeue(self, request: HttpRequest, queryset: QuerySet[Job]) -> None:
+        if not (reason := self.reason(request)):
+            return
         for job in queryset.select_related("project"):
             if not job.is_terminal:
                 self.message_user(request, f"Job {job.id} is {job.status}; only ended jobs can be requeued.", messages.WARNING)
                 continue
             try:
                 new = services.requeue(job)
+                self.log(request, job, f"Requeued as {new.id}", reason)
                 self.message_user(request, f"Job {job.id}: requeued as {new.id}.", messages.SUCCESS)
             except ServiceError as exc:
                 self.message_user(request, f"Job {job.id}: {exc.message}", messages.ERROR)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from django.conf import settings
-from drf_spectacular.utils import extend_schema
+from drf_spectacular.utils import OpenApiParameter, extend_schema
 from rest_framework.generics import ListAPIView
 from rest_framework.request import Request
 from rest_framework.response import Response
@@ -82,10 +82,25 @@ class JobList(ListAPIView):
             jobs = jobs.filter(status__in=status.split(","))
         return jobs.order_by("-created_at", "-id")
 
-    @extend_schema(request=JobRequestSerializer, responses={201: JobSerializer}, summary="Create a job (holds its price)")
+    @extend_schema(
+        request=JobRequestSerializer,
+        responses={201: JobSerializer},
+        summary="Create a job (holds its price)",
+        parameters=[
+            OpenApiParameter(
+                "Idempotency-Key", str, OpenApiParameter.HEADER,
+                description="Any unique string per intended job (a UUID): a retried create with the same key "
+                "returns the first job, with one hold, and answers with Idempotent-Replayed: true.",
+            )
+        ],
+    )
     def post(self, request: Request) -> Response:
-        job = services.create_job(project_of(request), _inputs(request))
-        return Response(JobSerializer(JOBS.get(pk=job.pk)).data, status=201)
+        key = request.headers.get("Idempotency-Key", "")
+        job = services.create_job(project_of(request), _inputs(request), idempotency_key=key)
+        response = Response(JobSerializer(JOBS.get(pk=job.pk)).data, status=201)
+        if job.replayed:
+            response["Idempotent-Replayed"] = "true"
+        return response
 
 
 class JobDetail(APIView):

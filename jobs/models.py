@@ -90,10 +90,21 @@ class Job(models.Model):
     queued_at = models.DateTimeField(null=True, blank=True)
     started_at = models.DateTimeField(null=True, blank=True)
     finished_at = models.DateTimeField(null=True, blank=True)
+    # A retried create with the same Idempotency-Key gets this job back instead of a second one.
+    idempotency_key = models.CharField(max_length=255, blank=True)
+    request_fingerprint = models.CharField(max_length=64, blank=True)
+
+    # Set (not stored) on the job a create returns when it was made by an earlier request.
+    replayed = False
 
     class Meta:
         ordering = ["-created_at", "-id"]
         indexes = [models.Index(fields=["project", "-created_at"])]
+        constraints = [
+            models.UniqueConstraint(
+                fields=["project", "idempotency_key"], condition=~models.Q(idempotency_key=""), name="job_idempotency_key_unique"
+            )
+        ]
 
     def __str__(self) -> str:
         return self.id

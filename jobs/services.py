@@ -8,8 +8,11 @@ writes an event; every end settles the credit hold in the same transaction.
 
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
 import shutil
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
 from decimal import Decimal
@@ -22,6 +25,7 @@ from django.db.models import Q
 from django.utils import timezone
 
 from fp4prep.errors import Conflict, Forbidden, InvalidInput, PaymentRequired
+from fp4prep.text import excerpt
 from registry.models import (
     CreditTransaction,
     Model,
@@ -155,14 +159,44 @@ def estimate(project: Project, inputs: dict[str, Any]) -> Estimate:
     )
 
 
-def create_job(project: Project, inputs: dict[str, Any]) -> Job:
+IDEMPOTENCY_KEY_MAX = 255
+
+
+def _fingerprint(inputs: Any) -> str:
+    """What makes two creates the same request: the inputs as given, canonically."""
+    fields = inputs if isinstance(inputs, dict) else {}
+    canonical = {k: fields.get(k) or None for k in ("adapter_object_id", "adapter_revision_id", "calibration_file_id")}
+    return hashlib.sha256(json.dumps(canonical, sort_keys=True).encode()).hexdigest()
+
+
+def check_idempotency_key(key: str) -> str:
+    if not (0 < len(key) <= IDEMPOTENCY_KEY_MAX) or not key.isprintable() or not key.isascii():
+        raise InvalidInput(f"Idempotency-Key must be 1 to {IDEMPOTENCY_KEY_MAX} printable ASCII characters", code="invalid_idempotency_key")
+    return key
+
+
+def create_job(project: Project, inputs: dict[str, Any], *, idempotency_key: str = "") -> Job:
     """Re-check everything, hold the price and create the job in one transaction.
 
     The project row is locked first, so two creates for one project run one after the other and
-    the second sees the first's hold: they can't both spend the same credit.
+    the second sees the first's hold: they can't both spend the same credit. With an
+    ``idempotency_key``, a create the project already made with that key returns that job (its
+    ``replayed`` set) and holds nothing more; the same key with other inputs is a conflict.
     """
     with transaction.atomic():
         locked = Project.objects.select_for_update().get(pk=project.pk)
+        fingerprint = _fingerprint(inputs)
+        if idempotency_key:
+            earlier = Job.objects.filter(project=locked, idempotency_key=check_idempotency_key(idempotency_key)).first()
+            if earlier is not None:
+                if earlier.request_fingerprint != fingerprint:
+                    raise Conflict(
+                        f"Idempotency-Key {excerpt(idempotency_key)} was already used by job {earlier.id} with other inputs; "
+                        "use a new key for a new job",
+                        code="idempotency_key_reused",
+                    )
+                earlier.replayed = True
+                return earlier
         resolved = resolve_inputs(locked, inputs)
         if locked.blocked:
             raise Forbidden(blocked_message(locked))
@@ -180,6 +214,8 @@ def create_job(project: Project, inputs: dict[str, Any]) -> Job:
             price_usd=price,
             time_hours=base.typical_hours,
             estimate={"price_usd": float(price), "time_hours": float(base.typical_hours)},
+            idempotency_key=idempotency_key,
+            request_fingerprint=fingerprint,
         )
         CreditTransaction.objects.create(
             project=locked, kind=CreditTransaction.Kind.HOLD, amount=price, job_id=job.id, note="held for the job"
@@ -189,8 +225,14 @@ def create_job(project: Project, inputs: dict[str, Any]) -> Job:
             f"Job created; waiting for a {base.worker_kind.upper()} worker slot. ${price} of credit is held.",
             data={"status": Job.Status.PENDING},
         )
-        transaction.on_commit(dispatch)
+        after_commit(dispatch)
     return job
+
+
+def after_commit(func: Callable[[], Any]) -> None:
+    """Run ``func`` once the transaction commits; if it fails, log it: what committed stays done
+    and the answer to the request that did it is not an error (the scheduler retries dispatch)."""
+    transaction.on_commit(func, robust=True)
 
 
 def request_cancel(project: Project, job_id: str) -> Job:
@@ -209,7 +251,7 @@ def request_cancel(project: Project, job_id: str) -> Job:
             "Cancellation requested; the job stops at its next check",
             data={"status": Job.Status.CANCEL_REQUESTED},
         )
-        transaction.on_commit(dispatch)  # settles a job no worker has picked up yet
+        after_commit(dispatch)  # settles a job no worker has picked up yet
     return job
 
 
@@ -270,7 +312,7 @@ def finish(
             project_id=job.project_id, kind=kind, amount=job.price_usd, job_id=job.id, note=f"job {status}"
         )
         job.event(event_type, message, level=level, data={"status": status, **(data or {})})
-        transaction.on_commit(dispatch)  # a slot is free
+        after_commit(dispatch)  # a slot is free
     job.refresh_from_db()
     return True
 
@@ -336,23 +378,37 @@ def dispatch() -> list[str]:
                     job.event(
                         STATUS_EVENT, f"Job is queued: a {kind.upper()} worker slot is free", data={"status": Job.Status.QUEUED}
                     )
-                    transaction.on_commit(lambda job=job: enqueue(job))
+                    after_commit(lambda job=job: enqueue(job))
                     queued.append(job.id)
     return queued
 
 
 def enqueue(job: Job) -> None:
+    """Put a queued job on its kind's queue. If the broker can't take it, the job goes back to
+    ``pending`` (nothing is lost, nothing is charged twice) and the next dispatch queues it again:
+    every worker's heartbeat dispatches, so that is seconds after the broker is back."""
     from django_q.tasks import async_task
 
     from .tasks import prepare
 
-    async_task(
-        prepare,
-        job.id,
-        cluster=f"{settings.QUEUE_PREFIX}-{job.supported_base.worker_kind}",
-        task_name=f"prepare {job.id}",
-        group="prepare",
-    )
+    try:
+        async_task(
+            prepare,
+            job.id,
+            cluster=f"{settings.QUEUE_PREFIX}-{job.supported_base.worker_kind}",
+            task_name=f"prepare {job.id}",
+            group="prepare",
+        )
+    except Exception as exc:
+        logger.warning("job %s: the job queue can't be reached (%s); back to pending", job.id, exc)
+        with transaction.atomic():
+            if Job.objects.filter(pk=job.pk, status=Job.Status.QUEUED).update(status=Job.Status.PENDING, queued_at=None):
+                job.event(
+                    STATUS_EVENT,
+                    "The job queue could not be reached; the job waits as pending and is queued again once it is back",
+                    level="warning",
+                    data={"status": Job.Status.PENDING},
+                )
 
 
 def settle_unclaimed_cancellations() -> None:
@@ -409,4 +465,4 @@ def resend_stale_queued() -> None:
     for job in Job.objects.filter(status=Job.Status.QUEUED, queued_at__lt=cutoff).select_related("supported_base"):
         if Job.objects.filter(pk=job.pk, status=Job.Status.QUEUED, queued_at__lt=cutoff).update(queued_at=timezone.now()):
             logger.warning("job %s: queued for over %.0fs without a worker claiming it; sent again", job.id, wait)
-            transaction.on_commit(lambda job=job: enqueue(job))
+            after_commit(lambda job=job: enqueue(job))

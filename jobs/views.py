@@ -6,6 +6,7 @@ errors into messages on the page.
 
 from __future__ import annotations
 
+import uuid
 from decimal import Decimal, InvalidOperation
 from typing import Any
 
@@ -157,6 +158,8 @@ def _estimate_response(request: HttpRequest, project: Project, status: int = 200
     context = _prepare_context(request, project, request.POST, **extra)
     if extra.get("estimate"):
         context["time_text"] = _duration(float(extra["estimate"].time_hours) * 3600)
+        # The confirmation form's key: a double submit of it creates one job.
+        context["idempotency_key"] = uuid.uuid4().hex
     template = "jobs/prepare.html#estimate" if request.htmx else "jobs/prepare.html"
     return render(request, template, context, status=status)
 
@@ -187,7 +190,7 @@ def prepare_create(request: HttpRequest, project: Project) -> HttpResponse:
                 request, project, status=409, estimate=estimate,
                 estimate_error=f"Confirm the price first: the job costs ${estimate.price_usd}.",
             )
-        job = services.create_job(project, inputs)
+        job = services.create_job(project, inputs, idempotency_key=request.POST.get("idempotency_key", ""))
     except ServiceError as exc:
         return _estimate_response(request, project, status=exc.status, estimate_error=exc.message)
     target = reverse("job", args=[project.id, job.id])

@@ -6,10 +6,32 @@ from typing import Any
 
 from django import forms
 from django.contrib import admin, messages
+from django.contrib.admin.helpers import ActionForm
+from django.contrib.admin.models import LogEntry
+from django.db.models import Model as DjangoModel
 from django.db.models import QuerySet
 from django.http import HttpRequest
 
 from .models import ApiKey, CreditTransaction, DeploymentProfile, Model, Project, Revision, SupportedBase
+
+
+class ReasonActionForm(ActionForm):
+    reason = forms.CharField(required=False, label="Reason", widget=forms.TextInput(attrs={"size": 40, "placeholder": "why (kept in the log)"}))
+
+
+class LoggedActions(admin.ModelAdmin):
+    """Actions that change customers' things need a reason; who did what and why goes to the admin log."""
+
+    action_form = ReasonActionForm
+
+    def reason(self, request: HttpRequest) -> str:
+        reason = str(request.POST.get("reason", "")).strip()
+        if not reason:
+            self.message_user(request, "Say why in the Reason box: the admin log keeps who did it and why.", messages.ERROR)
+        return reason[:200]
+
+    def log(self, request: HttpRequest, obj: DjangoModel, what: str, reason: str) -> None:
+        self.log_change(request, obj, f"{what}: {reason}")
 
 
 class ReadOnlyInline(admin.TabularInline):
@@ -40,7 +62,7 @@ class ApiKeyInline(ReadOnlyInline):
 
 
 @admin.register(Project)
-class ProjectAdmin(admin.ModelAdmin):
+class ProjectAdmin(LoggedActions):
     list_display = ["name", "id", "blocked", "balance", "held", "created_at"]
     list_filter = ["blocked"]
     search_fields = ["id", "name", "members__username"]
@@ -49,6 +71,12 @@ class ProjectAdmin(admin.ModelAdmin):
     filter_horizontal = ["members"]
     inlines = [ApiKeyInline, LedgerInline]
     actions = ["block", "unblock"]
+
+    def get_readonly_fields(self, request: HttpRequest, obj: Any = None) -> Any:
+        # Membership is access to a customer's data and keys: only superusers change it.
+        if request.user.is_superuser:  # type: ignore[union-attr]
+            return self.readonly_fields
+        return [*self.readonly_fields, "name", "members"]
 
     @admin.display(description="balance (USD)")
     def balance(self, project: Project) -> Any:
@@ -60,14 +88,20 @@ class ProjectAdmin(admin.ModelAdmin):
 
     @admin.action(description="Block selected projects from starting jobs", permissions=["change"])
     def block(self, request: HttpRequest, queryset: QuerySet[Project]) -> None:
+        if not (reason := self.reason(request)):
+            return
         for project in queryset:
-            project.block(f"blocked by {request.user}")
+            project.block(f"{reason}; blocked by {request.user}")
+            self.log(request, project, "Blocked", reason)
         self.message_user(request, f"Blocked {queryset.count()} project(s).", messages.SUCCESS)
 
     @admin.action(description="Unblock selected projects", permissions=["change"])
     def unblock(self, request: HttpRequest, queryset: QuerySet[Project]) -> None:
+        if not (reason := self.reason(request)):
+            return
         for project in queryset:
             project.unblock()
+            self.log(request, project, "Unblocked", reason)
         self.message_user(request, f"Unblocked {queryset.count()} project(s).", messages.SUCCESS)
 
 
@@ -109,7 +143,7 @@ class CreditTransactionAdmin(admin.ModelAdmin):
 
 
 @admin.register(ApiKey)
-class ApiKeyAdmin(admin.ModelAdmin):
+class ApiKeyAdmin(LoggedActions):
     list_display = ["prefix", "name", "project", "created_at", "last_used_at", "revoked_at"]
     list_filter = ["revoked_at"]
     search_fields = ["prefix", "name", "project__id", "project__name"]
@@ -122,8 +156,11 @@ class ApiKeyAdmin(admin.ModelAdmin):
 
     @admin.action(description="Revoke selected keys", permissions=["change"])
     def revoke(self, request: HttpRequest, queryset: QuerySet[ApiKey]) -> None:
+        if not (reason := self.reason(request)):
+            return
         for key in queryset.filter(revoked_at__isnull=True):
             key.revoke()
+            self.log(request, key, "Revoked", reason)
         self.message_user(request, "Revoked.", messages.SUCCESS)
 
 
@@ -175,3 +212,23 @@ class SupportedBaseAdmin(admin.ModelAdmin):
     @admin.display(description="price (USD)")
     def price(self, base: SupportedBase) -> Any:
         return base.price()
+
+
+@admin.register(LogEntry)
+class LogEntryAdmin(admin.ModelAdmin):
+    """The admin log, read-only: who changed what in the console, and why."""
+
+    list_display = ["action_time", "user", "content_type", "object_repr", "change_message"]
+    list_filter = ["content_type"]
+    search_fields = ["object_repr", "object_id", "change_message", "user__username"]
+    readonly_fields = ["action_time", "user", "content_type", "object_id", "object_repr", "action_flag", "change_message"]
+    fields = readonly_fields
+
+    def has_add_permission(self, request: HttpRequest) -> bool:
+        return False
+
+    def has_change_permission(self, request: HttpRequest, obj: Any = None) -> bool:
+        return False
+
+    def has_delete_permission(self, request: HttpRequest, obj: Any = None) -> bool:
+        return False

@@ -12,7 +12,7 @@ PERMISSIONS = [
     ("jobs", "view_calibrationfile"),
     ("jobs", "view_worker"),
     ("registry", "view_project"),
-    ("registry", "change_project"),  # block / unblock, members
+    ("registry", "change_project"),  # block / unblock (membership is for superusers only)
     ("registry", "view_credittransaction"),
     ("registry", "add_credittransaction"),  # adjustments through the ledger
     ("registry", "view_apikey"),
@@ -21,6 +21,7 @@ PERMISSIONS = [
     ("registry", "view_revision"),
     ("registry", "view_supportedbase"),
     ("registry", "view_deploymentprofile"),
+    ("admin", "view_logentry"),  # who did what, and why
 ]
 
 
@@ -30,7 +31,7 @@ def ensure_support_group(sender: Any = None, **kwargs: Any) -> None:
     from django.contrib.auth.management import create_permissions
     from django.contrib.auth.models import Group, Permission
 
-    for label in ("registry", "jobs"):
+    for label in ("registry", "jobs", "admin"):
         create_permissions(apps.get_app_config(label), verbosity=0)
     group, _ = Group.objects.get_or_create(name=SUPPORT_GROUP)
     wanted = [Permission.objects.get(content_type__app_label=app, codename=code) for app, code in PERMISSIONS]

@@ -1,7 +1,9 @@
 """``Client``: the REST API (SPEC section 3) over HTTP, with typed results and typed errors.
 
-Calls that are safe to repeat (reads, and estimates, which never hold or charge) are retried with
-exponential backoff on connection errors and 5xx; creates, uploads and cancels are sent once.
+Calls that are safe to repeat are retried with exponential backoff on connection errors, 5xx and
+429 (after the server's Retry-After): reads, estimates (which never hold or charge) and creates,
+which carry an Idempotency-Key so that a repeat returns the first job. Uploads and cancels are
+sent once.
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ import builtins
 import os
 import tarfile
 import time
+import uuid
 from collections.abc import Callable
 from pathlib import Path
 from typing import IO, Any
@@ -32,7 +35,8 @@ from .types import (
 
 DEFAULT_BASE_URL = "http://127.0.0.1:8000"
 JOBS = "/v1/post-training/prepare-for-fp4-inference"
-RETRY_STATUSES = {500, 502, 503, 504}
+RETRY_STATUSES = {429, 500, 502, 503, 504}
+RETRY_AFTER_MAX = 30.0
 FileInput = str | os.PathLike[str] | IO[bytes]
 
 
@@ -79,8 +83,19 @@ class Client:
                     return response
                 if last or response.status_code not in RETRY_STATUSES:
                     raise _api_error(response)
+                wait = _retry_after(response)
+                if wait is not None:
+                    time.sleep(wait)
+                    continue
             time.sleep(self.backoff * 2**attempt)
         raise AssertionError("unreachable")
+
+
+def _retry_after(response: requests.Response) -> float | None:
+    try:
+        return min(float(response.headers["Retry-After"]), RETRY_AFTER_MAX)
+    except (KeyError, ValueError):
+        return None
 
 
 def _reason(exc: Exception) -> str:
@@ -211,8 +226,12 @@ class PrepareForFP4Inference:
         response = self._client.request("POST", f"{JOBS}/estimate", json={"inputs": inputs}, retry=True)
         return parse(Estimate, response.json())
 
-    def create(self, inputs: dict[str, Any]) -> Job:
-        return parse(Job, self._client.request("POST", JOBS, json={"inputs": inputs}).json())
+    def create(self, inputs: dict[str, Any], idempotency_key: str | None = None) -> Job:
+        """Create a job. It carries an Idempotency-Key (a new UUID unless given), so it is retried
+        like a read: a retry that reaches the server twice gets the first job back, held once."""
+        key = idempotency_key or str(uuid.uuid4())
+        response = self._client.request("POST", JOBS, json={"inputs": inputs}, retry=True, headers={"Idempotency-Key": key})
+        return parse(Job, response.json())
 
     def retrieve(self, job_id: str) -> Job:
         return parse(Job, self._client.request("GET", f"{JOBS}/{job_id}").json())

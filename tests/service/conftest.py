@@ -127,8 +127,8 @@ class Api:
     def _headers(self) -> dict[str, str]:
         return {"Authorization": f"Bearer {self.key}"} if self.key else {}
 
-    def request(self, method: str, path: str, **kwargs: Any) -> requests.Response:
-        return requests.request(method, self.base_url + path, headers=self._headers(), timeout=60, **kwargs)
+    def request(self, method: str, path: str, headers: dict[str, str] | None = None, **kwargs: Any) -> requests.Response:
+        return requests.request(method, self.base_url + path, headers={**self._headers(), **(headers or {})}, timeout=60, **kwargs)
 
     def get(self, path: str, **kwargs: Any) -> requests.Response:
         return self.request("GET", path, **kwargs)

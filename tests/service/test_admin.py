@@ -36,8 +36,15 @@ def job(transactional_db: Any, catalogue: Any) -> Job:
     return services.create_job(project, {"adapter_object_id": adapter.id})
 
 
-def action(client: Client, model: str, name: str, pk: str) -> Any:
-    return client.post(reverse(f"admin:{model}_changelist"), {"action": name, "index": 0, "_selected_action": [pk]}, follow=True)
+def action(client: Client, model: str, name: str, pk: str, reason: str = "asked by the customer") -> Any:
+    form = {"action": name, "index": 0, "_selected_action": [pk], "reason": reason}
+    return client.post(reverse(f"admin:{model}_changelist"), form, follow=True)
+
+
+def logged(pk: str) -> list[tuple[str, str]]:
+    from django.contrib.admin.models import LogEntry
+
+    return [(e.user.username, e.change_message) for e in LogEntry.objects.filter(object_id=pk).order_by("id")]
 
 
 def test_support_sees_jobs_with_filters_and_events_inline(support: Client, job: Job) -> None:
@@ -59,6 +66,16 @@ def test_support_cancels_and_requeues_a_job(support: Client, job: Job) -> None:
     assert new.status == "pending" and new.adapter_revision_id == job.adapter_revision_id
     assert new.project.credit().held == Decimal("0.10")
     assert "is not cancellable" in action(support, "jobs_job", "cancel", job.id).content.decode()
+    assert logged(job.id) == [("sam", "Cancelled: asked by the customer"), ("sam", f"Requeued as {new.id}: asked by the customer")]
+
+
+def test_an_action_without_a_reason_changes_nothing(support: Client, job: Job) -> None:
+    response = action(support, "jobs_job", "cancel", job.id, reason=" ")
+    assert "Say why in the Reason box" in response.content.decode()
+    job.refresh_from_db()
+    assert job.status == "pending" and logged(job.id) == []
+    action(support, "registry_project", "block", job.project_id, reason="")
+    assert not Project.objects.get(pk=job.project_id).blocked
 
 
 def test_support_adjusts_credit_through_the_ledger_with_a_reason(support: Client, job: Job) -> None:
@@ -75,9 +92,10 @@ def test_support_adjusts_credit_through_the_ledger_with_a_reason(support: Client
 
 
 def test_support_blocks_and_unblocks_a_project(support: Client, job: Job) -> None:
-    action(support, "registry_project", "block", job.project_id)
+    action(support, "registry_project", "block", job.project_id, reason="chargeback under review")
     project = Project.objects.get(pk=job.project_id)
-    assert project.blocked and "sam" in project.blocked_reason
+    assert project.blocked and project.blocked_reason == "chargeback under review; blocked by sam"
+    assert logged(project.id) == [("sam", "Blocked: chargeback under review")]
     with pytest.raises(services.Forbidden):
         services.create_job(project, {"adapter_object_id": job.adapter_id})
     action(support, "registry_project", "unblock", job.project_id)
@@ -91,3 +109,36 @@ def test_the_support_group_has_just_its_permissions(support: Client, job: Job) -
     assert not user.has_perm("registry.delete_project") and not user.has_perm("auth.change_user")
     assert support.get(reverse("admin:registry_supportedbase_change", args=["tiny-llama"])).status_code == 200  # view only
     assert support.get(reverse("admin:auth_user_changelist")).status_code == 403
+
+
+def change_project(client: Client, project: Project, **fields: Any) -> None:
+    """Post the project's change form as the browser would: its formsets' management fields included."""
+    import re
+
+    url = reverse("admin:registry_project_change", args=[project.id])
+    page = client.get(url).content.decode()
+    form = dict(re.findall(r'name="([\w-]+-(?:TOTAL|INITIAL|MIN_NUM|MAX_NUM)_FORMS)"[^>]*value="(\d+)"', page))
+    client.post(url, {**form, "name": project.name, **fields})
+
+
+def test_support_can_neither_join_a_project_nor_issue_its_keys(support: Client, job: Job) -> None:
+    from registry.models import ApiKey
+
+    project = job.project
+    sam = User.objects.get(username="sam")
+    change_project(support, project, name="Taken over", members=[sam.pk])
+    project.refresh_from_db()
+    assert project.name == "Acme" and not project.members.exists()
+    assert support.get(reverse("admin:registry_apikey_add")).status_code == 403
+    keys = ApiKey.objects.filter(project=project).count()
+    # The dashboard's key page belongs to members; staff are no exception.
+    assert support.post(f"/projects/{project.id}/keys/", {"name": "mine"}).status_code == 404
+    assert ApiKey.objects.filter(project=project).count() == keys
+
+
+def test_a_superuser_manages_membership(job: Job) -> None:
+    root = User.objects.create_superuser("root", password="pw")
+    client = Client()
+    client.force_login(root)
+    change_project(client, job.project, members=[root.pk])
+    assert list(Project.objects.get(pk=job.project_id).members.all()) == [root]

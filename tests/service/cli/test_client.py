@@ -83,8 +83,11 @@ class Flaky(BaseHTTPRequestHandler):
     failures = 0
     seen: list[str] = []
 
+    keys: list[str | None] = []
+
     def _answer(self) -> None:
         Flaky.seen.append(f"{self.command} {self.path}")
+        Flaky.keys.append(self.headers.get("Idempotency-Key"))
         length = int(self.headers.get("Content-Length") or 0)
         self.rfile.read(length)
         if len(Flaky.seen) <= Flaky.failures:
@@ -113,21 +116,31 @@ def flaky() -> Iterator[str]:
     server.shutdown()
 
 
-def test_reads_are_retried_on_5xx_and_creates_are_not(flaky: str) -> None:
+def test_reads_and_creates_are_retried_on_5xx_and_a_create_keeps_its_idempotency_key(flaky: str) -> None:
     client = Client(api_key="k", base_url=flaky, max_retries=2, backoff=0.01)
     Flaky.failures = 2
     assert client.whoami().id == "proj_x"
     assert Flaky.seen == ["GET /v1/whoami"] * 3
 
+    Flaky.seen, Flaky.keys, Flaky.failures = [], [], 1
+    fp4 = client.post_training.prepare_for_fp4_inference
+    assert fp4.create(inputs={"adapter_object_id": "ml_x"}).status == "pending"
+    assert Flaky.seen == ["POST /v1/post-training/prepare-for-fp4-inference"] * 2
+    first_key = Flaky.keys[0]
+    assert first_key and Flaky.keys == [first_key, first_key]  # the retry is the same request
+    Flaky.seen, Flaky.keys = [], []
+    fp4.create(inputs={"adapter_object_id": "ml_x"})
+    assert Flaky.keys[0] not in (None, first_key)  # each create is a new key
+
     Flaky.seen, Flaky.failures = [], 1
-    with pytest.raises(InternalServerError) as failed:
-        client.post_training.prepare_for_fp4_inference.create(inputs={"adapter_object_id": "ml_x"})
-    assert failed.value.status == 503 and failed.value.message == "try again"
-    assert Flaky.seen == ["POST /v1/post-training/prepare-for-fp4-inference"]  # sent once: it may have been created
+    with pytest.raises(InternalServerError):
+        client.request("POST", "/v1/files")
+    assert Flaky.seen == ["POST /v1/files"]  # an upload is sent once: it may have been stored
 
     Flaky.seen, Flaky.failures = [], 5
-    with pytest.raises(InternalServerError):
+    with pytest.raises(InternalServerError) as failed:
         client.whoami()
+    assert failed.value.status == 503 and failed.value.message == "try again"
     assert len(Flaky.seen) == 3  # one try and two retries
 
 

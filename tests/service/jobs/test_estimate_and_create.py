@@ -156,3 +156,50 @@ def test_an_unknown_job_is_not_found(people: People, catalogue: Any) -> None:
             404, "job_not_found", "Shaping job shp-quant-00000000-0000 not found"
         )
     assert error_of(people.alice.cancel("shp-quant-00000000-0000"))[:2] == (404, "job_not_found")
+
+
+def test_a_retried_create_with_its_idempotency_key_returns_the_first_job_and_holds_once(people: People, adapter: dict[str, Any]) -> None:
+    body = {"inputs": {"adapter_object_id": adapter["id"]}}
+    first = people.alice.post(JOBS, json=body, headers={"Idempotency-Key": "retry-me-1"})
+    again = people.alice.post(JOBS, json=body, headers={"Idempotency-Key": "retry-me-1"})
+    assert first.status_code == again.status_code == 201
+    assert again.json()["id"] == first.json()["id"] and again.headers["Idempotent-Replayed"] == "true"
+    assert "Idempotent-Replayed" not in first.headers
+    assert people.alice.get(JOBS).json()["total"] == 1
+    assert people.alice.get("/v1/whoami").json()["held_usd"] == 0.10
+    # A new key is a new job; the same key in another project is that project's own.
+    assert people.alice.post(JOBS, json=body, headers={"Idempotency-Key": "retry-me-2"}).json()["id"] != first.json()["id"]
+    assert people.alice.get("/v1/whoami").json()["held_usd"] == 0.20
+
+
+def test_an_idempotency_key_reused_for_other_inputs_is_a_conflict(people: People, adapter: dict[str, Any], calibration: dict[str, Any]) -> None:
+    headers = {"Idempotency-Key": "k-1"}
+    first = people.alice.post(JOBS, json={"inputs": {"adapter_object_id": adapter["id"]}}, headers=headers).json()
+    other = people.alice.post(
+        JOBS, json={"inputs": {"adapter_object_id": adapter["id"], "calibration_file_id": calibration["id"]}}, headers=headers
+    )
+    assert error_of(other) == (
+        409, "idempotency_key_reused",
+        f"Idempotency-Key 'k-1' was already used by job {first['id']} with other inputs; use a new key for a new job",
+    )
+    assert error_of(people.alice.post(JOBS, json={"inputs": {"adapter_object_id": adapter["id"]}}, headers={"Idempotency-Key": "x" * 300}))[:2] == (
+        400, "invalid_idempotency_key"
+    )
+    assert people.alice.get(JOBS).json()["total"] == 1
+
+
+def test_the_dashboards_confirmation_creates_one_job_when_submitted_twice(people: People, adapter: dict[str, Any]) -> None:
+    from django.contrib.auth import get_user_model
+    from django.test import Client as PageClient
+
+    from jobs.models import Job
+
+    page = PageClient()
+    page.force_login(get_user_model().objects.get(username="alice"))
+    url = f"/projects/{people.project_a.id}/prepare/"
+    estimate = page.post(url + "estimate", {"adapter": adapter["id"]})
+    key = estimate.context["idempotency_key"]
+    form = {"adapter": adapter["id"], "confirm_price": "0.10", "idempotency_key": key}
+    first, second = page.post(url + "create", form), page.post(url + "create", form)
+    assert first.status_code == second.status_code == 302 and first["Location"] == second["Location"]
+    assert Job.objects.filter(project=people.project_a).count() == 1
