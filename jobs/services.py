@@ -8,6 +8,7 @@ writes an event; every end settles the credit hold in the same transaction.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import logging
@@ -378,7 +379,7 @@ def dispatch() -> list[str]:
                     job.event(
                         STATUS_EVENT, f"Job is queued: a {kind.upper()} worker slot is free", data={"status": Job.Status.QUEUED}
                     )
-                    after_commit(lambda job=job: enqueue(job))
+                    after_commit(functools.partial(enqueue, job))
                     queued.append(job.id)
     return queued
 
@@ -465,4 +466,4 @@ def resend_stale_queued() -> None:
     for job in Job.objects.filter(status=Job.Status.QUEUED, queued_at__lt=cutoff).select_related("supported_base"):
         if Job.objects.filter(pk=job.pk, status=Job.Status.QUEUED, queued_at__lt=cutoff).update(queued_at=timezone.now()):
             logger.warning("job %s: queued for over %.0fs without a worker claiming it; sent again", job.id, wait)
-            after_commit(lambda job=job: enqueue(job))
+            after_commit(functools.partial(enqueue, job))
