@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 EXCERPT_CHARS = 40
@@ -30,3 +31,12 @@ def format_bytes(n: int | float) -> str:
             value = f"{n / factor:.1f}".removesuffix(".0")
             return f"{value} {unit}"
     return f"{int(n)} B"
+
+
+_PATH = re.compile(r"(?<![\w.:/~-])/(?:[\w.@%+=,~-]+/)+([\w.@%+=,~-]+)")
+
+
+def without_paths(text: str) -> str:
+    """``text`` with absolute file paths cut to their last part: a message for a customer names the
+    file (``calibrated.pt``), never where the service keeps it."""
+    return _PATH.sub(r"\1", text)

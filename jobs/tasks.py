@@ -11,14 +11,23 @@ import shutil
 import socket
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from django.conf import settings
-from django.db import close_old_connections, connection, transaction
+from django.db import (
+    DatabaseError,
+    InterfaceError,
+    OperationalError,
+    close_old_connections,
+    connection,
+    transaction,
+)
 from django.utils import timezone
 
-from registry.artifacts import store_revision
+from fp4prep.text import without_paths
+from registry.artifacts import manifest, store_revision
 from registry.models import Model
 
 from . import services
@@ -36,6 +45,26 @@ STAGE_MESSAGES = {
 }
 PROGRESS_WRITE_SECONDS = 1.0
 CANCEL_CHECK_SECONDS = 0.5
+# How long the worker's writes wait out a database that went away (a restart, a failover).
+DB_RETRY_SECONDS = 120.0
+T = TypeVar("T")
+
+
+def with_database(what: str, call: Callable[[], T]) -> T:
+    """``call()``, retried on a lost database connection until ``DB_RETRY_SECONDS`` have passed: a
+    database restart mid-job pauses the job's writes instead of failing a run of hours."""
+    deadline = time.monotonic() + DB_RETRY_SECONDS
+    delay = 0.5
+    while True:
+        try:
+            return call()
+        except (OperationalError, InterfaceError) as exc:
+            if time.monotonic() + delay > deadline or connection.in_atomic_block:
+                raise
+            logger.warning("%s: the database is unreachable (%s); retrying in %.1fs", what, str(exc).strip()[:200], delay)
+            connection.close()  # the next try opens a fresh connection
+            time.sleep(delay)
+            delay = min(delay * 2, 10.0)
 
 
 def worker_name() -> str:
@@ -78,7 +107,12 @@ class Heartbeat(threading.Thread):
     def run(self) -> None:
         try:
             while not self._stop_event.wait(settings.HEARTBEAT_INTERVAL):
-                Job.objects.filter(pk=self.job_id, worker=self.worker).update(heartbeat_at=timezone.now())
+                try:
+                    Job.objects.filter(pk=self.job_id, worker=self.worker).update(heartbeat_at=timezone.now())
+                except DatabaseError as exc:
+                    # One failed beat must not end the heartbeat: the job would be reaped while it runs.
+                    logger.warning("job %s: heartbeat not written (%s); trying again", self.job_id, str(exc).strip()[:200])
+                    connection.close()
         finally:
             connection.close()
 
@@ -102,63 +136,102 @@ class Reporter:
         if stage != self.stage:
             self.stage = stage
             self.last_write = now
-            Job.objects.filter(pk=self.job.pk).update(
-                stage=stage, progress=fraction, stage_started_at=timezone.now(), heartbeat_at=timezone.now()
-            )
-            self.job.event(services.STAGE_EVENT, STAGE_MESSAGES.get(stage, stage), data={"stage": stage})
+
+            def begin() -> None:
+                with transaction.atomic():
+                    Job.objects.filter(pk=self.job.pk).update(
+                        stage=stage, progress=fraction, stage_started_at=timezone.now(), heartbeat_at=timezone.now()
+                    )
+                    self.job.event(services.STAGE_EVENT, STAGE_MESSAGES.get(stage, stage), data={"stage": stage})
+
+            with_database(f"job {self.job.id}", begin)
         elif now - self.last_write >= PROGRESS_WRITE_SECONDS or fraction >= 1.0:
             self.last_write = now
-            Job.objects.filter(pk=self.job.pk).update(progress=fraction, heartbeat_at=timezone.now())
+            with_database(
+                f"job {self.job.id}",
+                lambda: Job.objects.filter(pk=self.job.pk).update(progress=fraction, heartbeat_at=timezone.now()),
+            )
 
     def note(self, message: str) -> None:
-        self.job.event(services.STAGE_EVENT, message, data={"stage": self.stage})
+        with_database(f"job {self.job.id}", lambda: self.job.event(services.STAGE_EVENT, message, data={"stage": self.stage}))
 
     def should_cancel(self) -> bool:
         now = time.monotonic()
         if not self.cancelled and now - self.last_check >= CANCEL_CHECK_SECONDS:
             self.last_check = now
-            status = Job.objects.filter(pk=self.job.pk).values_list("status", flat=True).first()
+            status = with_database(
+                f"job {self.job.id}", lambda: Job.objects.filter(pk=self.job.pk).values_list("status", flat=True).first()
+            )
             # Anything but running stops the run: a cancellation, or a reaper that gave up on us.
             self.cancelled = status != Job.Status.RUNNING
         return self.cancelled
 
 
 def _run(job: Job) -> str:
-    from fp4prep.pipeline import Cancelled, PipelineError, UserError
+    from fp4prep.pipeline.errors import Cancelled, InternalError, PipelineError, UserError
 
     reporter = Reporter(job)
     try:
         result = _pipeline(job, reporter)
     except Cancelled:
-        services.finish(job, Job.Status.CANCELLED, message=f"Job cancelled during {reporter.stage or 'start-up'}",
-                        data={"stage": reporter.stage})
+        _end(job, Job.Status.CANCELLED, message=f"Job cancelled during {reporter.stage or 'start-up'}", data={"stage": reporter.stage})
         return "cancelled"
     except UserError as exc:
-        ended = services.finish(job, Job.Status.USER_ERROR, event_type=services.USER_ERROR_EVENT, level="error",
-                                message=str(exc), data={"stage": reporter.stage}, from_statuses=(Job.Status.RUNNING,))
-        if not ended:  # cancelled meanwhile: the run stopped, so the cancellation is what happened
-            services.finish(job, Job.Status.CANCELLED, message="Job cancelled", from_statuses=(Job.Status.CANCEL_REQUESTED,))
+        _end(job, Job.Status.USER_ERROR, message=public(str(exc)), data={"stage": reporter.stage})
         return "user_error"
-    except (PipelineError, WeightsMissing) as exc:
-        _fail(job, str(exc), reporter.stage)
-        return "error"
-    except Exception as exc:
+    except InternalError:
         logger.exception("job %s failed", job.id)
-        _fail(job, f"Internal error during {reporter.stage or 'start-up'}: {exc}. Retrying may help.", reporter.stage)
+        _end(job, Job.Status.ERROR, message=internal_error(job, reporter.stage), data={"stage": reporter.stage})
+        return "error"
+    except (PipelineError, WeightsMissing) as exc:
+        logger.warning("job %s failed: %s", job.id, exc)
+        _end(job, Job.Status.ERROR, message=public(str(exc)), data={"stage": reporter.stage})
+        return "error"
+    except Exception:
+        logger.exception("job %s failed", job.id)
+        _end(job, Job.Status.ERROR, message=internal_error(job, reporter.stage), data={"stage": reporter.stage})
         return "error"
     try:
         return _register(job, reporter, result)
-    except Exception as exc:
+    except Exception:
         logger.exception("job %s: registration failed", job.id)
-        _fail(job, f"Registering the checkpoint failed: {exc}. Retrying may help.", "uploading")
+        _end(job, Job.Status.ERROR, message=internal_error(job, "uploading"), data={"stage": "uploading"})
         return "error"
 
 
-def _fail(job: Job, message: str, stage: str) -> None:
-    ended = services.finish(job, Job.Status.ERROR, event_type=services.ERROR_EVENT, level="error", message=message,
-                            data={"stage": stage}, from_statuses=(Job.Status.RUNNING,))
-    if not ended:  # cancelled meanwhile: the run stopped, so the cancellation is what happened
-        services.finish(job, Job.Status.CANCELLED, message="Job cancelled", from_statuses=(Job.Status.CANCEL_REQUESTED,))
+def public(message: str) -> str:
+    """What a customer reads of a failure: the message, without where the service keeps files."""
+    return without_paths(message)
+
+
+def internal_error(job: Job, stage: str) -> str:
+    # The exception itself goes to the worker's log, not to the customer.
+    return (
+        f"Internal error during {stage or 'start-up'}; nothing was registered and the hold is released. "
+        f"Retrying may help; support can look it up under job {job.id}."
+    )
+
+
+def _end(job: Job, status: str, *, message: str, data: dict[str, Any]) -> None:
+    """End a running job as ``status`` with its event; a job cancelled meanwhile ends cancelled
+    (the run stopped, so the cancellation is what happened)."""
+    kinds = {
+        Job.Status.USER_ERROR: (services.USER_ERROR_EVENT, "error"),
+        Job.Status.ERROR: (services.ERROR_EVENT, "error"),
+        Job.Status.CANCELLED: (services.STATUS_EVENT, "info"),
+    }
+    event_type, level = kinds[status]
+    if status == Job.Status.CANCELLED:
+        with_database(f"job {job.id}", lambda: services.finish(job, status, message=message, data=data))
+        return
+
+    def end() -> None:
+        ended = services.finish(job, status, event_type=event_type, level=level, message=message, data=data,
+                                from_statuses=(Job.Status.RUNNING,))
+        if not ended:
+            services.finish(job, Job.Status.CANCELLED, message="Job cancelled", from_statuses=(Job.Status.CANCEL_REQUESTED,))
+
+    with_database(f"job {job.id}", end)
 
 
 class WeightsMissing(Exception):
@@ -171,8 +244,9 @@ def _pipeline(job: Job, reporter: Reporter) -> Any:
     base = job.supported_base
     weights = base.weights_dir()
     if not (weights / "config.json").is_file():
+        logger.error("job %s: no weights for %s in %s", job.id, base.family, weights)
         raise WeightsMissing(
-            f"This worker has no BF16 weights for {base.family} (looked in {weights}). "
+            f"This worker has no BF16 weights for {base.family} ({base.weights_location}). "
             "An operator must install them under FP4PREP_WEIGHTS_ROOT; retrying on a worker that has them may help."
         )
     recipe = dict(base.recipe)
@@ -212,8 +286,18 @@ def _pipeline(job: Job, reporter: Reporter) -> Any:
 
 def _register(job: Job, reporter: Reporter, result: Any) -> str:
     reporter.progress("uploading", 0.0)
+    return register(job, Path(result.output_dir), _report(result))
+
+
+def register(job: Job, output: Path, report: dict[str, Any]) -> str:
+    """Register ``output`` as the next revision of the project's prepared model and complete the job.
+
+    The checkpoint is hashed first, with no lock held (minutes for a big one); then, with the job's
+    row locked, it is moved into the store and the revision, the job's end and its charge are written
+    in one transaction. Nothing half-registered: if that transaction fails, the files go too.
+    """
     base = job.supported_base
-    report = _report(result)
+    listing = manifest(output)
     revision = None
     try:
         with transaction.atomic():
@@ -235,7 +319,7 @@ def _register(job: Job, reporter: Reporter, result: Any) -> str:
                     source_adapter=job.adapter,
                 )
             revision = store_revision(
-                prepared, Path(result.output_dir), job_id=job.id,
+                prepared, output, job_id=job.id, listing=listing,
                 metadata={"job": job.id, "quantization": base.quantization,
                           "adapter_revision": job.adapter_revision_id, "report": report},
             )

@@ -16,6 +16,8 @@ from django.http import StreamingHttpResponse
 from .models import Model, Revision
 
 CHUNK = 1024 * 1024
+# A directory's files (path, size, sha256), their total size and one sha256 over the list.
+Listing = tuple[list[dict[str, Any]], int, str]
 
 
 def file_sha256(path: Path) -> str:
@@ -26,7 +28,7 @@ def file_sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
-def manifest(directory: Path) -> tuple[list[dict[str, Any]], int, str]:
+def manifest(directory: Path) -> Listing:
     """Every regular file with its size and sha256, and one sha256 over the whole list."""
     files: list[dict[str, Any]] = []
     for path in sorted(p for p in directory.rglob("*") if p.is_file()):
@@ -37,13 +39,16 @@ def manifest(directory: Path) -> tuple[list[dict[str, Any]], int, str]:
     return files, sum(f["size"] for f in files), overall
 
 
-def store_revision(model: Model, source: Path, *, metadata: dict[str, Any] | None = None, job_id: str = "") -> Revision:
+def store_revision(
+    model: Model, source: Path, *, metadata: dict[str, Any] | None = None, job_id: str = "", listing: Listing | None = None
+) -> Revision:
     """Move ``source`` into the store and register it as the model's next revision.
 
-    The move happens first and is undone if the row can't be written, so the registry never holds a
+    ``listing`` is ``manifest(source)`` when the caller hashed it already (outside its locks). The
+    move happens first and is undone if the row can't be written, so the registry never holds a
     revision without its files, nor leaves files of a revision that isn't registered.
     """
-    files, size, digest = manifest(source)
+    files, size, digest = listing or manifest(source)
     revision = Revision(model=model, size_bytes=size, sha256=digest, files=files, metadata=metadata or {}, job_id=job_id)
     revision.path = f"models/{model.id}/{revision.id}"
     target = settings.ARTIFACT_ROOT / revision.path

@@ -33,7 +33,7 @@ from . import export as export_mod
 from . import limits, quantize, reader, streaming, validate
 from .checkpoint import TensorSource, directory_bytes, read_config
 from .config import EVAL_FILE, PipelineConfig, PipelineResult, TaskReport
-from .errors import Cancelled, PipelineError, UserError
+from .errors import Cancelled, InternalError, PipelineError, UserError
 from .merge import load_adapter
 from .progress import Progress
 from .recipes import Recipe, Thresholds, get_recipe
@@ -63,7 +63,7 @@ def run(config: PipelineConfig) -> PipelineResult:
             raise
         except Exception as exc:
             logger.exception("pipeline failed")
-            raise PipelineError(f"internal error during {progress.current}: {exc}") from exc
+            raise InternalError(f"internal error during {progress.current}: {exc}") from exc
         shutil.move(str(work / "out"), str(config.output_dir))
         if config.work_dir is not None:  # done: nothing is left to resume
             _clear(work)
