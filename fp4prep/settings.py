@@ -8,6 +8,7 @@ FP4PREP_SECRET_KEY, FP4PREP_HTTPS=1 and FP4PREP_ALLOWED_HOSTS; ``manage.py check
 from __future__ import annotations
 
 import re
+from datetime import timedelta
 from pathlib import Path
 
 import dj_database_url
@@ -36,6 +37,7 @@ INSTALLED_APPS = [
     "django.contrib.staticfiles",
     "rest_framework",
     "drf_spectacular",
+    "axes",
     "django_q",
     "django_htmx",
     "template_partials",
@@ -48,11 +50,14 @@ MIDDLEWARE = [
     "whitenoise.middleware.WhiteNoiseMiddleware",  # the dashboard's CSS and htmx, without a separate web server
     "django.contrib.sessions.middleware.SessionMiddleware",
     "django.middleware.common.CommonMiddleware",
+    "fp4prep.middleware.BodyLimit",  # before the CSRF check, which reads the body
     "django.middleware.csrf.CsrfViewMiddleware",
     "django.contrib.auth.middleware.AuthenticationMiddleware",
     "django.contrib.messages.middleware.MessageMiddleware",
     "django.middleware.clickjacking.XFrameOptionsMiddleware",
     "django_htmx.middleware.HtmxMiddleware",
+    # Last, as django-axes asks: it turns a locked-out sign-in into its own answer.
+    "axes.middleware.AxesMiddleware",
 ]
 
 ROOT_URLCONF = "fp4prep.urls"
@@ -108,6 +113,9 @@ ADAPTER_MAX_FILES = env_int("FP4PREP_ADAPTER_MAX_FILES", 1000, minimum=1)
 # What one project's uploads (adapter revisions, calibration files) may take on the artifact store.
 PROJECT_STORAGE_BYTES = env_int("FP4PREP_PROJECT_STORAGE_BYTES", 50 * 1024**3, minimum=1)
 FILE_UPLOAD_MAX_MEMORY_SIZE = 4 * 1024 * 1024
+# Every other request body (JSON, forms): refused past this before it is read.
+REQUEST_MAX_BYTES = env_int("FP4PREP_REQUEST_MAX_BYTES", 1024 * 1024, minimum=1024)
+DATA_UPLOAD_MAX_MEMORY_SIZE = REQUEST_MAX_BYTES
 
 # --- Workers (django-q2) ---------------------------------------------------------------------------
 WORKER_KIND = env_choice("FP4PREP_WORKER_KIND", "cpu", ("cpu", "gpu"))
@@ -148,6 +156,36 @@ if BROKER_URL:
 else:
     Q_CLUSTER["orm"] = "default"
 
+# --- Sign-in and rate limits -------------------------------------------------------------------------
+AUTHENTICATION_BACKENDS = [
+    "axes.backends.AxesStandaloneBackend",  # refuses sign-ins while a username/address pair is locked out
+    "django.contrib.auth.backends.ModelBackend",
+]
+# Five failed sign-ins for one username from one address lock that pair out for 15 minutes.
+AXES_FAILURE_LIMIT = env_int("FP4PREP_SIGNIN_FAILURES", 5, minimum=1)
+AXES_COOLOFF_TIME = timedelta(minutes=env_float("FP4PREP_SIGNIN_LOCKOUT_MINUTES", 15.0, minimum=0.1))
+AXES_LOCKOUT_PARAMETERS = [["username", "ip_address"]]
+AXES_RESET_ON_SUCCESS = True
+AXES_LOCKOUT_TEMPLATE = "locked_out.html"
+AXES_VERBOSE = False
+AUTH_PASSWORD_VALIDATORS = [
+    {"NAME": "django.contrib.auth.password_validation.UserAttributeSimilarityValidator"},
+    {"NAME": "django.contrib.auth.password_validation.MinimumLengthValidator", "OPTIONS": {"min_length": 10}},
+    {"NAME": "django.contrib.auth.password_validation.CommonPasswordValidator"},
+    {"NAME": "django.contrib.auth.password_validation.NumericPasswordValidator"},
+]
+# Requests per API key, e.g. 1200/min; counted in the cache, which several web processes must share.
+API_RATE = env_str("FP4PREP_API_RATE", "1200/min")
+if not re.fullmatch(r"\d+/(s|sec|m|min|h|hour|d|day)", API_RATE):
+    raise ImproperlyConfigured(f"FP4PREP_API_RATE={API_RATE!r} must be a count per time, e.g. 1200/min")
+CACHE_URL = env_str("FP4PREP_CACHE_URL", BROKER_URL)
+if CACHE_URL:
+    if not CACHE_URL.startswith(("redis://", "rediss://", "unix://")):
+        raise ImproperlyConfigured(f"FP4PREP_CACHE_URL={CACHE_URL!r} must be a redis:// URL (or empty for memory)")
+    CACHES = {"default": {"BACKEND": "django.core.cache.backends.redis.RedisCache", "LOCATION": CACHE_URL, "KEY_PREFIX": QUEUE_PREFIX}}
+else:  # the embedded setup: one web process
+    CACHES = {"default": {"BACKEND": "django.core.cache.backends.locmem.LocMemCache"}}
+
 # --- REST API --------------------------------------------------------------------------------------
 REST_FRAMEWORK = {
     "DEFAULT_AUTHENTICATION_CLASSES": ["registry.auth.ApiKeyAuthentication"],
@@ -161,6 +199,7 @@ REST_FRAMEWORK = {
     "DEFAULT_PAGINATION_CLASS": "fp4prep.api.Pagination",
     "PAGE_SIZE": 20,
     "EXCEPTION_HANDLER": "fp4prep.api.exception_handler",
+    "DEFAULT_THROTTLE_CLASSES": ["registry.auth.PerKeyThrottle"],
     "DEFAULT_SCHEMA_CLASS": "drf_spectacular.openapi.AutoSchema",
     "UNAUTHENTICATED_USER": None,
 }
@@ -211,5 +250,8 @@ LOGGING = {
     "formatters": {"plain": {"format": "%(asctime)s %(levelname)s %(name)s: %(message)s"}},
     "handlers": {"console": {"class": "logging.StreamHandler", "formatter": "plain"}},
     "root": {"handlers": ["console"], "level": env_str("FP4PREP_LOG_LEVEL", "INFO")},
-    "loggers": {"django_q": {"level": env_str("FP4PREP_QUEUE_LOG_LEVEL", "WARNING"), "propagate": True}},
+    "loggers": {
+        "django_q": {"level": env_str("FP4PREP_QUEUE_LOG_LEVEL", "WARNING"), "propagate": True},
+        "axes": {"level": "WARNING", "propagate": True},
+    },
 }

@@ -23,6 +23,7 @@ from django.views.decorators.csrf import csrf_exempt, csrf_protect
 
 from fp4prep.api import limit_uploads, uploaded_file
 from fp4prep.errors import NotFound
+from fp4prep.middleware import takes_uploads
 from registry.models import Project
 
 P = ParamSpec("P")
@@ -80,7 +81,7 @@ def upload_page(limit_setting: str) -> Callable[[ProjectView[P]], Callable[Conca
             request.upload_limit = (limit, limit_uploads(request, limit))  # type: ignore[attr-defined]
             return protected(request, project, *args, **kwargs)
 
-        return project_page(wrapper)
+        return takes_uploads(project_page(wrapper))
 
     return decorate
 

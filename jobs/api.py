@@ -12,6 +12,7 @@ from rest_framework.response import Response
 from rest_framework.views import APIView
 
 from fp4prep.api import uploaded_file
+from fp4prep.middleware import takes_uploads
 from fp4prep.errors import InvalidInput
 from registry.auth import project_of
 
@@ -29,6 +30,7 @@ from .serializers import (
 )
 
 
+@takes_uploads
 class FileList(ListAPIView):
     serializer_class = FileSerializer
 

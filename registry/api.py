@@ -16,6 +16,7 @@ from rest_framework.response import Response
 from rest_framework.views import APIView
 
 from fp4prep.api import uploaded_file
+from fp4prep.middleware import takes_uploads
 
 from . import artifacts, services
 from .auth import project_of
@@ -46,6 +47,7 @@ class WhoAmI(APIView):
         )
 
 
+@takes_uploads
 class ModelList(ListAPIView):
     serializer_class = ModelSerializer
 

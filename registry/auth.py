@@ -5,10 +5,15 @@ from __future__ import annotations
 from datetime import timedelta
 from typing import Any
 
+import logging
+
+from django.conf import settings
 from django.utils import timezone
-from rest_framework import authentication, exceptions, permissions
+from rest_framework import authentication, exceptions, permissions, throttling
 
 from .models import ApiKey, Project
+
+logger = logging.getLogger(__name__)
 
 
 class ProjectPrincipal:
@@ -55,3 +60,29 @@ class HasProject(permissions.BasePermission):
 
 def project_of(request: Any) -> Project:
     return request.user.project
+
+
+class PerKeyThrottle(throttling.SimpleRateThrottle):
+    """Each API key gets ``FP4PREP_API_RATE`` requests (e.g. ``1200/min``), counted in the cache that
+    every web process shares. If that cache can't be reached the request goes through: throttling
+    protects the service, it must not take it down."""
+
+    scope = "api_key"
+
+    def get_rate(self) -> str:
+        return str(settings.API_RATE)
+
+    def get_cache_key(self, request: Any, view: Any) -> str | None:
+        key = getattr(request, "auth", None)
+        if not isinstance(key, ApiKey):
+            return None  # unauthenticated requests are refused before they cost anything
+        return f"throttle_{self.scope}_{key.hashed[:24]}"
+
+    def allow_request(self, request: Any, view: Any) -> bool:
+        self.rate = self.get_rate()
+        self.num_requests, self.duration = self.parse_rate(self.rate)
+        try:
+            return super().allow_request(request, view)
+        except Exception as exc:  # the cache is down: let the request through
+            logger.warning("API throttle's cache is unreachable (%s); not throttling", exc)
+            return True

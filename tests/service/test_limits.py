@@ -1,0 +1,85 @@
+"""Limits that protect the service: request bodies, sign-in attempts, passwords, API request rates."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+from django.contrib.auth.models import User
+from django.test import Client, override_settings
+
+from .conftest import People, error_of
+
+JOBS = "/v1/post-training/prepare-for-fp4-inference"
+
+
+def test_bodies_over_the_limit_are_refused_before_they_are_read_except_by_uploads(people: People, adapter: dict[str, Any]) -> None:
+    big = b"x" * (2 * 1024 * 1024)
+    for path in (JOBS + "/estimate", JOBS):
+        # A multipart body with a file would have been spooled to disk; JSON parsed whole.
+        status, code, message = error_of(people.alice.post(path, files={"file": ("f.bin", big)}))
+        assert (status, code) == (413, "payload_too_large") and message.endswith("is over the limit of 1 MiB for this endpoint")
+        padded = {"inputs": {"adapter_object_id": adapter["id"]}, "pad": "x" * len(big)}
+        assert error_of(people.alice.post(path, json=padded))[0] == 413
+    assert people.alice.get(JOBS).json()["total"] == 0
+    # The upload endpoints keep their own, larger limits.
+    line = (json.dumps({"messages": [{"role": "user", "content": "x" * 500}]}) + "\n").encode()
+    assert people.alice.upload_file(line * 5000).status_code == 201
+
+
+def test_a_page_form_over_the_limit_is_refused(people: People) -> None:
+    client = Client()
+    client.force_login(User.objects.get(username="alice"))
+    response = client.post(f"/projects/{people.project_a.id}/prepare/estimate", {"adapter": "x" * (2 * 1024 * 1024)})
+    assert response.status_code == 413
+
+
+def sign_in(client: Client, password: str, path: str = "/login/") -> Any:
+    return client.post(path, {"username": "alice", "password": password})
+
+
+def test_repeated_failed_sign_ins_lock_that_user_out_from_that_address(people: People) -> None:
+    client = Client()
+    for _ in range(4):
+        assert sign_in(client, "wrong").status_code == 200  # the form again, with its error
+    assert sign_in(client, "wrong").status_code == 429  # the fifth failure locks
+    locked = sign_in(client, "pw")
+    assert locked.status_code == 429 and "Too many sign-in attempts" in locked.content.decode()
+    assert "_auth_user_id" not in client.session
+    # Another user, and the admin's sign-in for the same user, are judged the same way.
+    assert sign_in(client, "wrong", "/admin/login/").status_code == 429
+    other = Client().post("/login/", {"username": "bob", "password": "pw"})
+    assert other.status_code == 302
+
+
+def test_a_successful_sign_in_resets_the_count(people: People) -> None:
+    client = Client()
+    for _ in range(4):
+        sign_in(client, "wrong")
+    assert sign_in(client, "pw").status_code == 302
+    client.logout()
+    for _ in range(4):
+        sign_in(client, "wrong")
+    assert sign_in(client, "pw").status_code == 302
+
+
+def test_weak_passwords_are_refused() -> None:
+    from django.contrib.auth.password_validation import validate_password
+    from django.core.exceptions import ValidationError
+
+    for weak in ("pw", "password123", "12345678901"):
+        with pytest.raises(ValidationError):
+            validate_password(weak)
+    validate_password("correct horse battery staple")
+
+
+def test_each_api_key_is_rate_limited_on_its_own(people: People) -> None:
+    with override_settings(API_RATE="5/min"):
+        for _ in range(5):
+            assert people.alice.get("/v1/whoami").status_code == 200
+        response = people.alice.get("/v1/whoami")
+        status, code, message = error_of(response)
+        assert (status, code) == (429, "throttled") and message.startswith("Request was throttled.")
+        assert 0 < int(response.headers["Retry-After"]) <= 60
+        assert people.bob.get("/v1/whoami").status_code == 200  # bob's key is his own
