@@ -25,12 +25,12 @@ def clip(text: str, limit: int = 120) -> str:
 
 
 def format_bytes(n: int | float) -> str:
-    """``n`` bytes in binary units, as people read them: ``512 B``, ``64 MiB``, ``1.5 GiB``."""
+    """``n`` bytes in binary units, as people read them: ``512 bytes``, ``64 MiB``, ``1.5 GiB``."""
     for unit, factor in (("TiB", 1024**4), ("GiB", 1024**3), ("MiB", 1024**2), ("KiB", 1024)):
         if n >= factor:
             value = f"{n / factor:.1f}".removesuffix(".0")
             return f"{value} {unit}"
-    return f"{int(n)} B"
+    return f"{int(n):,} bytes"
 
 
 _PATH = re.compile(r"(?<![\w.:/~-])/(?:[\w.@%+=,~-]+/)+([\w.@%+=,~-]+)")

@@ -12,8 +12,8 @@ from rest_framework.response import Response
 from rest_framework.views import APIView
 
 from fp4prep.api import uploaded_file
-from fp4prep.middleware import takes_uploads
 from fp4prep.errors import InvalidInput
+from fp4prep.middleware import takes_uploads
 from registry.auth import project_of
 
 from . import calibration, services

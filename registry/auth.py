@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
+import logging
 from datetime import timedelta
 from typing import Any
-
-import logging
 
 from django.conf import settings
 from django.utils import timezone

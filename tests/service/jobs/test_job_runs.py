@@ -12,6 +12,7 @@ from typing import Any
 from registry.models import Model
 
 from ..conftest import People, error_of
+from ..helpers import ledger_of, wait_for
 
 
 def statuses(events: list[dict[str, Any]]) -> list[str]:
@@ -74,19 +75,6 @@ def test_a_job_runs_to_completed_and_its_revision_downloads_and_loads(
         404, "job_not_found", f"Shaping job {job['id']} not found"
     )
     assert Decimal(str(done["estimate"]["price_usd"])) == Decimal("0.10")
-
-
-def wait_for(predicate: Any, timeout: float = 120, what: str = "condition", interval: float = 0.1) -> Any:
-    import time
-
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(interval)
 
 
 def test_jobs_wait_for_a_free_slot_and_a_repeat_job_adds_a_revision_to_the_same_model(
@@ -199,6 +187,7 @@ def test_a_requeued_job_continues_from_the_last_layer_its_dead_worker_finished(
 ) -> None:
     from django.conf import settings
 
+    from fp4prep.pipeline.adapter_files import base_weight_shapes
     from jobs import services
     from jobs.models import Job
     from tests.pipeline.bases import random_llama
@@ -207,6 +196,7 @@ def test_a_requeued_job_continues_from_the_last_layer_its_dead_worker_finished(
     # Deep enough that calibration takes seconds, so the worker dies in the middle of it.
     deep = random_llama(tmp_path / "deep", tokenizer_dir, layers=24, hidden=256, intermediate=1024)
     catalogue.weights_location = str(deep)
+    catalogue.weight_shapes = base_weight_shapes(deep)
     catalogue.save()
     adapter_dir = save_adapter(deep, tmp_path / "adapter", targets=["q_proj", "o_proj"], b_scale=0.01)
     archive = io.BytesIO()
@@ -242,6 +232,8 @@ def test_a_requeued_job_continues_from_the_last_layer_its_dead_worker_finished(
     assert f"Resuming calibration at layer {finished + 1} of 24: an earlier run finished layers 1-{finished}" in messages
     assert done["report"]["resumed_from_layer"] == finished
     assert not (settings.ARTIFACT_ROOT / "work" / new.id).exists()  # removed once the job ended
+    assert ledger_of(job["id"]) == ["hold", "release"] and ledger_of(new.id) == ["hold", "charge"]
+    assert Model.objects.get(kind="prepared").revisions.count() == 1
 
 
 def test_a_cancellation_can_be_requested_once_and_a_dead_workers_job_then_ends_cancelled(

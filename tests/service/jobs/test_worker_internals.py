@@ -18,6 +18,8 @@ from jobs.models import Job
 from registry.models import Model, Revision
 from registry.services import create_project
 
+from ..helpers import wait_for
+
 
 @pytest.fixture
 def running_job(transactional_db: Any, catalogue: Any) -> Job:
@@ -34,20 +36,13 @@ def beat(job: Job) -> Any:
     return Job.objects.filter(pk=job.pk).values_list("heartbeat_at", flat=True).get()
 
 
-def wait_for(condition: Any, timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.05)
-
-
 def test_the_heartbeat_goes_on_after_database_errors(running_job: Job, caplog: pytest.LogCaptureFixture) -> None:
     with override_settings(HEARTBEAT_INTERVAL=0.05):
         heartbeat = tasks.Heartbeat(running_job.id, "w/1")
         heartbeat.start()
         try:
             first = beat(running_job)
-            wait_for(lambda: beat(running_job) != first)
+            wait_for(lambda: beat(running_job) != first, timeout=10, interval=0.05)
             # The table goes away under the heartbeat's connection: every beat fails for a while.
             with connection.cursor() as cursor:
                 cursor.execute("ALTER TABLE jobs_job RENAME TO jobs_job_away")
@@ -55,7 +50,7 @@ def test_the_heartbeat_goes_on_after_database_errors(running_job: Job, caplog: p
             with connection.cursor() as cursor:
                 cursor.execute("ALTER TABLE jobs_job_away RENAME TO jobs_job")
             after = timezone.now()
-            wait_for(lambda: beat(running_job) > after)
+            wait_for(lambda: beat(running_job) > after, timeout=10, interval=0.05)
             assert heartbeat.is_alive()
             assert f"job {running_job.id}: heartbeat not written" in caplog.text  # the beats did fail meanwhile
         finally:
