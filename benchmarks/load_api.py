@@ -149,6 +149,7 @@ def main() -> None:
     try:
         manage = [sys.executable, str(ROOT / "manage.py")]
         subprocess.run([*manage, "migrate", "-v0"], env=env, cwd=ROOT, check=True)
+        subprocess.run([*manage, "collectstatic", "--noinput", "-v0"], env=env, cwd=ROOT, check=True)
         started = time.perf_counter()
         seeded = subprocess.run([sys.executable, "-c", SEED, str(args.clients), str(args.jobs)], env=env, cwd=ROOT,
                                 check=True, capture_output=True, text=True)

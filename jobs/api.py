@@ -82,7 +82,7 @@ class JobList(ListAPIView):
         status = self.request.query_params.get("status")
         if status:
             jobs = jobs.filter(status__in=status.split(","))
-        return jobs.order_by("-created_at", "-id")
+        return jobs.defer("report").order_by("-created_at", "-id")  # the list shows no reports
 
     @extend_schema(
         request=JobRequestSerializer,

@@ -201,3 +201,5 @@ def test_a_disk_that_fills_up_during_export_ends_the_job_error_and_a_requeue_fin
         new = services.requeue(Job.objects.get(pk=job["id"]))
         people.alice.wait(new.id, timeout=300)
         completed_once(people, new.id)
+        messages = [e["message"] for e in people.alice.events(new.id)]
+        assert f"Requeued from {job['id']} by support; it continues from where that job stopped" in messages
