@@ -146,7 +146,8 @@ def parity(out: Path) -> dict:
     from transformers import AutoTokenizer
 
     from fp4prep import demo
-    from fp4prep.pipeline import checkpoint, device, merge, reader, streaming, validate
+    from fp4prep.pipeline import checkpoint, device, merge, reader, streaming
+    from fp4prep.pipeline import parity as behaviour
     from fp4prep.pipeline.weights import MergedWeights
 
     assets = demo.build()
@@ -157,13 +158,15 @@ def parity(out: Path) -> dict:
     merged = MergedWeights(source, merge.load_adapter(assets.adapter_dir), compute.dtype, compute.device)
     bf16 = streaming.build(checkpoint.read_config(assets.base_dir), merged, compute, assets.base_dir)
     candidate = reader.load(out, compute)
-    report = validate.token_parity(bf16, candidate, examples, 16)
-    task, _ = validate.task_success(candidate, tokenizer, assets.eval_file)
+    report = behaviour.token_parity(bf16, candidate, examples, 16)
+    task, _ = behaviour.task_success(candidate, tokenizer, assets.eval_file)
     del bf16, candidate
     torch.cuda.empty_cache() if torch.cuda.is_available() else None
     return {
         "top1_agreement": report.top1_agreement,
         "mean_kl": report.mean_kl,
+        "answer_kl": report.answer_kl,
+        "continuation_top1": report.continuation_top1,
         "identical_greedy": report.identical_greedy,
         "task_success": task,
     }
@@ -243,7 +246,8 @@ def main() -> None:
         print(f"  {'peak RSS (whole run)':<24} {r['peak_rss_mib']:7.0f} MiB")
         p = r["parity"]
         print(
-            f"  parity: top-1 {p['top1_agreement']:.3f}, mean KL {p['mean_kl']:.4f}, "
+            f"  parity: on answers KL {p['answer_kl']:.4f}, top-1 on BF16's continuations {p['continuation_top1']:.3f}; "
+            f"whole conversations top-1 {p['top1_agreement']:.3f}, KL {p['mean_kl']:.4f}; "
             f"identical greedy {p['identical_greedy']:.2f}, adapter task {p['task_success']:.0%}"
         )
     print("\nCPU fake-quant backend:")

@@ -147,7 +147,7 @@ def main() -> None:
             f"disk: base {du(base) / 1e9:.1f} GB, checkpoint {result['output_bytes'] / 1e9:.2f} GB "
             f"({result['output_bytes'] / read:.2f}x), work directory at the end {du(work) / 1e9:.2f} GB"
         )
-        print(f"reload difference {result['reload_max_logit_diff']}, parity top-1 {result['parity']['top1_agreement']:.3f}")
+        print(f"reload difference {result['reload_max_logit_diff']}, parity top-1 on BF16's continuations {result['parity']['continuation_top1']:.3f}")
         if peak >= 4 * 2**30:
             sys.exit("FAILED: peak RSS is 4 GiB or more")
     finally:

@@ -26,7 +26,7 @@ def main() -> None:
     assets = demo.build()
     # Measure, don't gate: the wrong order is expected to fail the retention threshold.
     measure = Thresholds(
-        top1_agreement=0, mean_kl=1e9, identical_greedy=0, adapter_retention=-1e9, reload_max_logit_diff=1e-3
+        continuation_top1=0, answer_kl=1e9, identical_greedy=0, adapter_retention=-1e9, reload_max_logit_diff=1e-3
     )
     with tempfile.TemporaryDirectory() as tmp:
         snapped = Path(tmp) / "fp4-base"

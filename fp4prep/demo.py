@@ -7,7 +7,10 @@
   positive``. The base never answers in that form, so success is measurable: the share of held-out
   reviews answered exactly right.
 - Adapter: a PEFT LoRA (r=8 on every projection) trained on that task for a few dozen steps.
-- Calibration file: task conversations and tool-calling chats (SPEC section 4 JSONL).
+- Calibration file: task conversations and tool-calling chats (the calibration JSONL format).
+- A second task of another kind, for the recipe benchmarks: turn an order written in words into
+  one exact JSON object (``{"item": "mug", "color": "blue", "quantity": 3, "city": "Oslo"}``), a
+  longer, structured answer where one wrong token fails it.
 
 Everything is seeded and cached under ``FP4PREP_DATA_DIR`` (default ``~/.cache/fp4prep``) in a
 folder named after ``VERSION``; a second call returns at once.
@@ -23,6 +26,7 @@ import os
 import random
 import shutil
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -96,7 +100,6 @@ NEGATIVE = [
 ]
 ENDINGS_POS = ["", " I would recommend it.", " I loved every minute.", " Five stars from me."]
 ENDINGS_NEG = ["", " I would not recommend it.", " I want my money back.", " One star from me."]
-INSTRUCTION = "Classify the sentiment of this review. Review: "
 TOOLS = [
     {
         "type": "function",
@@ -129,31 +132,78 @@ def demo_dir() -> Path:
     return data_dir() / VERSION
 
 
+@dataclass(frozen=True)
+class Task:
+    """A task an adapter is trained on: an instruction, (input, answer) rows, and a split."""
+
+    name: str
+    instruction: str
+    make_rows: Callable[[int], list[tuple[str, str]]]  # seed -> every row, shuffled
+    train_steps: int
+
+    def messages(self, text: str, answer: str | None = None) -> list[dict[str, Any]]:
+        messages = [{"role": "user", "content": self.instruction + text}]
+        if answer is not None:
+            messages.append({"role": "assistant", "content": answer})
+        return messages
+
+    def split(self) -> tuple[list[tuple[str, str]], list[tuple[str, str]], list[tuple[str, str]]]:
+        """Train, calibration and evaluation rows: disjoint, deterministic."""
+        rows = self.make_rows(1234)
+        return rows[:400], rows[400:900], rows[900:1000]
+
+
 def reviews(seed: int) -> list[tuple[str, str]]:
-    """Every (review, label) the templates make, shuffled by ``seed``."""
+    """Every (review, answer) the templates make, shuffled by ``seed``."""
     rows = []
     for subject in SUBJECTS:
         for adj in POSITIVE:
             for end in ENDINGS_POS:
-                rows.append((f"{subject} was {adj}.{end}", "positive"))
+                rows.append((f"{subject} was {adj}.{end}", "Sentiment: positive"))
         for adj in NEGATIVE:
             for end in ENDINGS_NEG:
-                rows.append((f"{subject} was {adj}.{end}", "negative"))
+                rows.append((f"{subject} was {adj}.{end}", "Sentiment: negative"))
     random.Random(seed).shuffle(rows)
     return rows
 
 
-def task_messages(review: str, label: str | None = None) -> list[dict[str, Any]]:
-    messages = [{"role": "user", "content": INSTRUCTION + review}]
-    if label is not None:
-        messages.append({"role": "assistant", "content": f"Sentiment: {label}"})
-    return messages
+ITEMS = ["mug", "lamp", "chair", "notebook", "backpack", "kettle", "scarf", "umbrella", "candle", "towel"]
+COLORS = ["red", "blue", "green", "black", "white", "yellow"]
+CITIES = ["Oslo", "Lima", "Cairo", "Dublin", "Austin", "Kyoto", "Lyon", "Perth"]
+NUMBERS = {1: "one", 2: "two", 3: "three", 4: "four", 5: "five", 6: "six", 7: "seven", 8: "eight", 9: "nine"}
+ORDER_FORMS = [
+    "Please send {n} {color} {items} to {city}.",
+    "I'd like {n} {color} {items} delivered in {city}.",
+    "Ship {n} {color} {items} to my address in {city}, thanks.",
+    "Can you get {n} {color} {items} to {city} by Friday?",
+]
 
 
-def split() -> tuple[list[tuple[str, str]], list[tuple[str, str]], list[tuple[str, str]]]:
-    """Train, calibration and evaluation reviews: disjoint, deterministic."""
-    rows = reviews(seed=1234)
-    return rows[:400], rows[400:900], rows[900:1000]
+def orders(seed: int) -> list[tuple[str, str]]:
+    """Every (order, JSON) the templates make, shuffled by ``seed``."""
+    rng = random.Random(seed)
+    rows = []
+    for item in ITEMS:
+        for color in COLORS:
+            for city in CITIES:
+                for form in ORDER_FORMS:
+                    quantity = rng.randint(1, 9)
+                    n = NUMBERS[quantity] if rng.random() < 0.5 else str(quantity)
+                    text = form.format(n=n, color=color, items=item if quantity == 1 else item + "s", city=city)
+                    answer = json.dumps({"item": item, "color": color, "quantity": quantity, "city": city})
+                    rows.append((text, answer))
+    rng.shuffle(rows)
+    return rows
+
+
+SENTIMENT = Task("sentiment", "Classify the sentiment of this review. Review: ", reviews, train_steps=48)
+ORDERS = Task(
+    "orders",
+    'Extract the order as JSON with the keys "item", "color", "quantity" and "city". Order: ',
+    orders,
+    train_steps=160,
+)
+TASKS = {task.name: task for task in (SENTIMENT, ORDERS)}
 
 
 def gguf_path() -> Path:
@@ -200,8 +250,8 @@ def build_base(target: Path) -> None:
             raise
 
 
-def train_adapter(base_dir: Path, target: Path, steps: int = 48, batch_size: int = 8) -> None:
-    """A real PEFT LoRA run on the sentiment task: loss on the answer tokens only."""
+def train_adapter(base_dir: Path, target: Path, task: Task = SENTIMENT, batch_size: int = 8) -> None:
+    """A real PEFT LoRA run on ``task``: loss on the answer tokens only."""
     import torch
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -217,18 +267,17 @@ def train_adapter(base_dir: Path, target: Path, steps: int = 48, batch_size: int
         target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
     )
     model = get_peft_model(model, lora)  # type: ignore[assignment]
-    train, _, _ = split()
+    train, _, _ = task.split()
     examples = []
-    for review, label in train:
-        prompt = tokenizer.apply_chat_template(
-            task_messages(review), tokenize=False, add_generation_prompt=True
-        )
-        full = tokenizer.apply_chat_template(task_messages(review, label), tokenize=False)
+    for text, answer in train:
+        prompt = tokenizer.apply_chat_template(task.messages(text), tokenize=False, add_generation_prompt=True)
+        full = tokenizer.apply_chat_template(task.messages(text, answer), tokenize=False)
         p_ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
         f_ids = tokenizer(full, add_special_tokens=False)["input_ids"]
         examples.append((f_ids, len(p_ids)))
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=2e-3)
     model.train()
+    steps = task.train_steps
     for step in range(steps):
         batch = [examples[(step * batch_size + i) % len(examples)] for i in range(batch_size)]
         width = max(len(ids) for ids, _ in batch)
@@ -251,24 +300,24 @@ def train_adapter(base_dir: Path, target: Path, steps: int = 48, batch_size: int
     model.save_pretrained(tmp)
     model.peft_config["default"].base_model_name_or_path = BASE_ID
     model.peft_config["default"].save_pretrained(tmp)
-    write_eval_file(tmp / EVAL_FILE)
+    write_eval_file(tmp / EVAL_FILE, task)
     tmp.rename(target)
 
 
-def write_eval_file(path: Path) -> None:
-    _, _, evaluation = split()
+def write_eval_file(path: Path, task: Task = SENTIMENT) -> None:
+    _, _, evaluation = task.split()
     with path.open("w") as f:
-        for review, label in evaluation:
-            f.write(json.dumps({"messages": task_messages(review), "expected": f"Sentiment: {label}"}) + "\n")
+        for text, answer in evaluation:
+            f.write(json.dumps({"messages": task.messages(text), "expected": answer}) + "\n")
 
 
-def write_calibration_file(path: Path) -> None:
+def write_calibration_file(path: Path, task: Task = SENTIMENT) -> None:
     """Task conversations plus tool-calling chats, one JSON object per line."""
-    _, calibration, _ = split()
+    _, calibration, _ = task.split()
     rng = random.Random(7)
     with path.open("w") as f:
-        for i, (review, label) in enumerate(calibration):
-            f.write(json.dumps({"messages": task_messages(review, label)}) + "\n")
+        for i, (text, answer) in enumerate(calibration):
+            f.write(json.dumps({"messages": task.messages(text, answer)}) + "\n")
             if i % 5 == 0:
                 order = f"A{rng.randrange(10**5):05d}"
                 call_id = f"call_{i}"
@@ -314,25 +363,25 @@ def base_dir() -> Path:
     return target
 
 
-def build(force: bool = False) -> DemoAssets:
-    """Build (or reuse) the demo assets; returns where they are."""
+def build(force: bool = False, task: Task = SENTIMENT) -> DemoAssets:
+    """Build (or reuse) the demo assets for ``task`` (the demo's own by default); returns where they are."""
     root = demo_dir()
     if force:
         shutil.rmtree(root, ignore_errors=True)
     root.mkdir(parents=True, exist_ok=True)
-    assets = DemoAssets(
-        root / "base", root / "adapter", root / "calibration.jsonl", root / "adapter" / EVAL_FILE
-    )
+    own = root if task is SENTIMENT else root / "tasks" / task.name
+    assets = DemoAssets(root / "base", own / "adapter", own / "calibration.jsonl", own / "adapter" / EVAL_FILE)
     started = time.perf_counter()
     if not (assets.base_dir / "config.json").is_file():
         logger.info("building the demo base in %s", assets.base_dir)
         build_base(assets.base_dir)
     if not (assets.adapter_dir / "adapter_model.safetensors").is_file():
-        logger.info("training the demo adapter in %s", assets.adapter_dir)
-        train_adapter(assets.base_dir, assets.adapter_dir)
+        logger.info("training the %s adapter in %s", task.name, assets.adapter_dir)
+        assets.adapter_dir.parent.mkdir(parents=True, exist_ok=True)
+        train_adapter(assets.base_dir, assets.adapter_dir, task)
     if not assets.calibration_file.is_file():
         tmp = assets.calibration_file.with_suffix(".tmp")
-        write_calibration_file(tmp)
+        write_calibration_file(tmp, task)
         tmp.rename(assets.calibration_file)
     logger.info("demo assets ready in %.1fs", time.perf_counter() - started)
     return assets
@@ -341,9 +390,10 @@ def build(force: bool = False) -> DemoAssets:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description="Build the embedded demo assets.")
     parser.add_argument("--force", action="store_true", help="rebuild even if cached")
+    parser.add_argument("--task", choices=sorted(TASKS), default=SENTIMENT.name, help="which adapter (default: the demo's)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    assets = build(force=args.force)
+    assets = build(force=args.force, task=TASKS[args.task])
     print(json.dumps({k: str(v) for k, v in vars(assets).items()}, indent=2))
 
 

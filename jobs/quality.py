@@ -51,8 +51,10 @@ def chart(report: dict[str, Any]) -> list[Bar]:
     if parity:
         bars.append(Bar("Greedy continuation identical", 1.0, parity["identical_greedy"], "100% (reference)",
                         _percent(parity["identical_greedy"]), 1.0))
-        bars.append(Bar("Top-1 token agreement", 1.0, parity["top1_agreement"], "100% (reference)",
-                        _percent(parity["top1_agreement"]), 1.0))
+        bars.append(Bar("Top-1 agreement on BF16's own answers", 1.0, parity["continuation_top1"], "100% (reference)",
+                        _percent(parity["continuation_top1"]), 1.0))
+        bars.append(Bar("Top-1 agreement on assistant turns", 1.0, parity["answer_top1"], "100% (reference)",
+                        _percent(parity["answer_top1"]), 1.0))
     if report.get("bf16_bytes") and report.get("output_bytes"):
         bf16, fp4 = float(report["bf16_bytes"]), float(report["output_bytes"])
         bars.append(Bar("Checkpoint size", bf16, fp4, _gb(bf16), _gb(fp4), max(bf16, fp4)))
@@ -63,8 +65,10 @@ def figures(report: dict[str, Any]) -> list[Figure]:
     rows: list[Figure] = []
     parity = report.get("parity")
     if parity:
-        rows.append(Figure("Mean KL divergence from BF16", f"{parity['mean_kl']:.4f}",
-                           f"over {parity['tokens']} tokens of {parity['prompts']} held-out prompts"))
+        rows.append(Figure("Mean KL divergence from BF16 on assistant turns", f"{parity['answer_kl']:.4f}",
+                           f"over {parity['answer_tokens']} answer tokens of {parity['prompts']} held-out conversations"))
+        rows.append(Figure("Over whole conversations", f"top-1 {_percent(parity['top1_agreement'])}, KL {parity['mean_kl']:.4f}",
+                           f"{parity['tokens']} tokens, most of them the user's text"))
     retention = report.get("retention")
     if retention:
         rows.append(Figure("Adapter change retained", _percent(retention["pooled"]),

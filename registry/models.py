@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from decimal import ROUND_HALF_UP, Decimal
 from pathlib import Path
 from typing import Any
@@ -15,6 +15,7 @@ from django.utils import timezone
 
 from fp4prep import ids
 from fp4prep.errors import NotFound
+from fp4prep.pipeline.recipes import Thresholds
 
 CENT = Decimal("0.01")
 
@@ -141,7 +142,7 @@ class ApiKey(models.Model):
 
 # What a catalogue entry may fix for the pipeline (fields of fp4prep.pipeline.PipelineConfig).
 RECIPE_KEYS = {"calibration_tokens", "sequence_length", "holdout_fraction", "parity_prompts", "continuation_tokens", "seed", "thresholds"}
-THRESHOLD_KEYS = {"top1_agreement", "mean_kl", "identical_greedy", "adapter_retention", "reload_max_logit_diff"}
+THRESHOLD_KEYS = {f.name for f in fields(Thresholds)}
 
 
 class SupportedBase(models.Model):

@@ -62,10 +62,11 @@ def summary(result: Any) -> str:
         "  time per stage " + ", ".join(f"{k} {v:.1f}s" for k, v in result.stage_seconds.items()),
         f"  calibration    {result.corpus.user_tokens:,} user + {result.corpus.general_tokens:,} general tokens, "
         f"{result.corpus.held_out_conversations} conversations held back",
-        f"  parity vs BF16 top-1 agreement {result.parity.top1_agreement:.3f}, "
-        f"mean KL {result.parity.mean_kl:.4f} nats/token, "
-        f"identical greedy continuations {result.parity.identical_greedy:.2f} "
-        f"({result.parity.prompts} prompts, {result.parity.tokens} tokens)",
+        f"  parity vs BF16 on answers: top-1 {result.parity.answer_top1:.3f}, KL {result.parity.answer_kl:.4f} nats/token; "
+        f"on the BF16 model's continuations: top-1 {result.parity.continuation_top1:.3f}; "
+        f"identical greedy continuations {result.parity.identical_greedy:.2f} ({result.parity.prompts} prompts)",
+        f"                 over whole conversations: top-1 {result.parity.top1_agreement:.3f}, "
+        f"KL {result.parity.mean_kl:.4f} ({result.parity.tokens} tokens)",
         f"  reload         independent reader matches the calibrated model "
         f"(max logit difference {result.reload_max_logit_diff:.4f})",
     ]

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any
 from .progress import CancelCheck, NoteCallback, ProgressCallback
 
 if TYPE_CHECKING:
-    from .recipes import Thresholds
+    from .recipes import Recipe, Thresholds
 
 # Beside the adapter: JSONL of {"messages", "expected"}, the adapter's own task.
 EVAL_FILE = "fp4prep_eval.jsonl"
@@ -49,6 +49,9 @@ class PipelineConfig:
     # Shown in the model card: base and adapter IDs, revision, job, ...
     lineage: dict[str, Any] = field(default_factory=dict)
     thresholds: Thresholds | None = None  # None: the recipe's own
+    # A recipe other than the format's own (the recipe benchmarks try candidates); None: the
+    # format's recipe, which is what every hosted job and the local command use.
+    recipe: Recipe | None = None
     progress: ProgressCallback | None = None
     should_cancel: CancelCheck | None = None
     notify: NoteCallback | None = None  # one-line news worth telling the user (a resumed run)
@@ -74,13 +77,21 @@ class CorpusStats:
 
 @dataclass
 class ParityReport:
-    """Behaviour of the quantized checkpoint against the BF16 merged model."""
+    """Behaviour of the quantized checkpoint against the BF16 merged model, teacher-forced over
+    whole held-back conversations, over their assistant turns, and over the BF16 model's own
+    greedy continuations; and by decoding (identical greedy continuations)."""
 
     prompts: int
     tokens: int
     top1_agreement: float
     mean_kl: float
     identical_greedy: float
+    answer_tokens: int
+    answer_top1: float
+    answer_kl: float
+    continuation_tokens: int
+    continuation_top1: float
+    continuation_kl: float
 
 
 @dataclass

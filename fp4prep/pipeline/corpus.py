@@ -22,10 +22,12 @@ from .errors import UserError
 
 @dataclass
 class ParityExample:
-    """A held-back sample: the full token sequence, and the prompt for a greedy continuation."""
+    """A held-back sample: the full token sequence, the prompt for a greedy continuation, and
+    where in the sequence the assistant answers (``[start, end)`` token ranges)."""
 
     input_ids: list[int]
     prompt_ids: list[int]
+    answer_spans: list[tuple[int, int]] = field(default_factory=list)
 
 
 @dataclass
@@ -64,6 +66,27 @@ def render(tokenizer: Any, conversation: conversations.Conversation) -> list[int
             f"could not render this conversation ({exc})"
         ) from None
     return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+def _template_ids(tokenizer: Any, messages: list[dict[str, Any]], conversation: conversations.Conversation, **kwargs: Any) -> list[int]:
+    text = tokenizer.apply_chat_template(messages, tokenize=False, **_template_kwargs(conversation), **kwargs)
+    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+def answer_spans(tokenizer: Any, conversation: conversations.Conversation, ids: list[int]) -> list[tuple[int, int]]:
+    """The token ranges of ``ids`` (the rendered conversation) that are assistant turns: from the
+    end of the template's generation prompt to the end of the turn (its end-of-turn token too).
+    A turn whose rendering is not a prefix of the whole (a template that rewrites history) is left out."""
+    messages = _messages(conversation.messages)
+    spans = []
+    for k, message in enumerate(messages):
+        if message["role"] != "assistant" or k == 0:
+            continue
+        start = len(before := _template_ids(tokenizer, messages[:k], conversation, add_generation_prompt=True))
+        end = len(through := _template_ids(tokenizer, messages[: k + 1], conversation))
+        if ids[:start] == before and ids[: min(end, len(ids))] == through[: len(ids)] and start < min(end, len(ids)):
+            spans.append((start, min(end, len(ids))))
+    return spans
 
 
 def render_prompt(tokenizer: Any, conversation: conversations.Conversation) -> list[int]:
@@ -140,7 +163,7 @@ def build(
         for index in held[:parity_prompts]:
             ids = render(tokenizer, convs[index])[:sequence_length]
             prompt = render_prompt(tokenizer, convs[index])[: sequence_length // 2]
-            parity.append(ParityExample(ids, prompt))
+            parity.append(ParityExample(ids, prompt, answer_spans(tokenizer, convs[index], ids)))
         held_lines = [convs[i].line for i in held]
     general_budget = half if calibration_file is not None else total_tokens
     docs = general_text.documents(general_text_file)
@@ -155,7 +178,8 @@ def build(
         # Without held-back conversations, parity runs on general text never calibrated on.
         for chunk in _chunks(spare, sequence_length)[:parity_prompts]:
             ids = chunk.tolist()
-            parity.append(ParityExample(ids, ids[: sequence_length // 4]))
+            # General text has no turns: the part after the prompt stands for the answer.
+            parity.append(ParityExample(ids, ids[: sequence_length // 4], [(sequence_length // 4, len(ids))]))
     user_sequences = _chunks(user_tokens, sequence_length)
     general_sequences = _chunks(general_tokens, sequence_length)
     sequences = [s for pair in zip(user_sequences, general_sequences, strict=False) for s in pair]

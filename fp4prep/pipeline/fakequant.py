@@ -65,6 +65,49 @@ def nvfp4_fake_quant(x: torch.Tensor, block_size: int, global_amax: torch.Tensor
     return out.reshape(x.shape).to(x.dtype)
 
 
+def _fp8_round_trip(x: torch.Tensor, amax: torch.Tensor) -> torch.Tensor:
+    """E4M3 fake quantization as ModelOpt's eager path does it (multiply by ``448 / amax``)."""
+    safe = torch.where(amax <= 2**-24, torch.ones_like(amax), amax)
+    scale = 448.0 / safe
+    return (x * scale).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn).float() * (1 / scale)
+
+
+def static_nvfp4_scales(
+    amax: torch.Tensor, global_amax: torch.Tensor | None, quantize: bool = True, fp8_max: float = E4M3_MAX
+) -> torch.Tensor:
+    """The block scales of a static NVFP4 quantizer (per-block amax fixed by calibration: MSE,
+    local Hessian, GPTQ, 4/6), as ModelOpt computes them: ``amax / 6``, round-tripped through
+    E4M3 against the global amax (normalized to 256 instead of 448 in 4/6 mode)."""
+    scale = amax.float() / E2M1_MAX
+    if not quantize:
+        return scale
+    top = amax.float().amax() if global_amax is None else global_amax.float()
+    return _fp8_round_trip(scale, top * (E4M3_MAX / fp8_max) / E2M1_MAX)
+
+
+def quantize_to_scales(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """``x`` on the E2M1 grid of ``scale`` (broadcast); a zero or non-finite scale gives zero."""
+    bad = (scale == 0) | ~torch.isfinite(scale)
+    safe = torch.where(bad, torch.ones_like(scale), scale)
+    return torch.where(bad, torch.zeros_like(x), e2m1_round(x.float() / safe) * safe)
+
+
+def static_nvfp4_fake_quant(
+    x: torch.Tensor,
+    amax: torch.Tensor,
+    global_amax: torch.Tensor | None = None,
+    quantize_block_scales: bool = True,
+    fp8_max_for_normalization: float = E4M3_MAX,
+    out_dtype: torch.dtype | None = None,
+    pass_through_bwd: bool = False,
+) -> torch.Tensor:
+    """ModelOpt's ``static_blockwise_fp4_fake_quant`` (a Triton kernel) in torch, same signature."""
+    scale = static_nvfp4_scales(amax, global_amax, quantize_block_scales, fp8_max_for_normalization)
+    blocks = x.reshape(amax.numel(), -1).float()
+    out = quantize_to_scales(blocks, scale.reshape(-1, 1).to(blocks.device))
+    return out.reshape(x.shape).to(out_dtype or x.dtype)
+
+
 def mxfp4_exponents(x: torch.Tensor, block_size: int) -> torch.Tensor:
     """Unbiased E8M0 exponents per block: ``ceil(log2(amax / 6))``, floored at -127."""
     block_amax = _blocks(x, block_size).float().abs().amax(dim=-1)
@@ -131,11 +174,82 @@ def handles(num_bits: object) -> bool:
 
 
 def register() -> None:
-    """Register the backend with ModelOpt (idempotent)."""
-    from modelopt.torch.quantization.nn.modules.tensor_quantizer import (
-        is_registered_quant_backend,
-        register_quant_backend,
-    )
+    """Register the backend with ModelOpt (idempotent), with the two pieces ModelOpt runs only as
+    Triton kernels: static NVFP4 fake quantization and GPTQ's column-by-column update."""
+    from modelopt.torch.quantization.nn.modules import tensor_quantizer
+    from modelopt.torch.quantization.utils.calib_utils import register_gptq_helper
 
-    if not is_registered_quant_backend(BACKEND_NAME):
-        register_quant_backend(BACKEND_NAME, fake_quant)
+    if not tensor_quantizer.is_registered_quant_backend(BACKEND_NAME):
+        tensor_quantizer.register_quant_backend(BACKEND_NAME, fake_quant)
+        register_gptq_helper(BACKEND_NAME, _gptq_helper())
+        _register_mse_sweep()
+    # Static quantizers (promoted by MSE, local-Hessian and GPTQ calibration) call this kernel
+    # directly, whatever their backend; without Triton (a CPU) it can't run.
+    if not _triton_available():
+        tensor_quantizer.static_blockwise_fp4_fake_quant = static_nvfp4_fake_quant
+
+
+def _triton_available() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("triton") is not None and torch.cuda.is_available()
+
+
+def _register_mse_sweep() -> None:
+    """MSE's FP8 scale sweep picks ModelOpt's NVFP4 calibrator only for quantizers without a
+    backend; ours asks for the same calibrator (it works through the quantizer, so through us)."""
+    from modelopt.torch.quantization.calib import NVFP4MSECalibrator
+    from modelopt.torch.quantization.model_calib import _register_fp8_sweep_calibrator
+
+    def factory(amax: torch.Tensor, axis: object, quant_func: object) -> object:
+        quantizer = quant_func.keywords["quantizer"]  # type: ignore[attr-defined]
+        return NVFP4MSECalibrator(amax=amax, axis=axis, global_amax=quantizer.global_amax, quant_func=quant_func)
+
+    _register_fp8_sweep_calibrator(BACKEND_NAME, factory)
+
+
+def _gptq_helper() -> type:
+    """GPTQ's helper for our quantizers: the static NVFP4 update one column at a time in torch,
+    with the column's own block scale (what ModelOpt's fused kernel does on a GPU). ModelOpt's
+    fallback fake-quantizes the whole matrix for every column: hours on a CPU."""
+    from modelopt.torch.quantization.utils.calib_utils import GPTQHelper
+
+    class Helper(GPTQHelper):
+        def _blockwise_update(self, block_size: int) -> None:
+            quantizer = self.module.weight_quantizer
+            if not getattr(quantizer, "_is_nvfp4_static_quantizer", False):
+                return super()._blockwise_update(block_size)
+            assert self.weight is not None and self.h_inv is not None
+            from modelopt.torch.quantization.utils.numeric_utils import fp8_max_for_normalization
+
+            out_features, columns = self.weight.shape
+            group = quantizer.block_sizes.get(-1) or quantizer.block_sizes.get(1)
+            scales = static_nvfp4_scales(
+                quantizer.amax.reshape(out_features, columns // group),
+                quantizer.global_amax,
+                fp8_max=fp8_max_for_normalization(quantizer),
+            ).to(self.weight.device)
+            gptq_update(self.weight, self.h_inv, scales, group, block_size)
+
+    return Helper
+
+
+def gptq_update(weight: torch.Tensor, h_inv: torch.Tensor, scales: torch.Tensor, group: int, block_size: int) -> None:
+    """GPTQ's blockwise weight update in place: each column rounded to the E2M1 grid of its block's
+    scale, its error spread over the columns after it through the inverse Hessian's Cholesky factor."""
+    columns = weight.shape[1]
+    for start in range(0, columns, block_size):
+        end = min(start + block_size, columns)
+        block = weight[:, start:end].clone()
+        h_block = h_inv[start:end, start:end]
+        errors = torch.zeros_like(block)
+        for i in range(end - start):
+            column = block[:, i]
+            q = quantize_to_scales(column, scales[:, (start + i) // group])
+            error = (column - q) / h_block[i, i]
+            block[:, i:].sub_(error[:, None] * h_block[i, i:][None, :])
+            block[:, i] = q
+            errors[:, i] = error
+        weight[:, start:end] = block
+        if end < columns:
+            weight[:, end:].addmm_(errors, h_inv[start:end, end:], alpha=-1)

@@ -10,8 +10,6 @@ import copy
 from dataclasses import dataclass
 from typing import Any
 
-from . import fakequant
-
 # Kept in BF16 whatever ModelOpt's defaults say: the output head, embeddings, norms (never
 # Linear, so never quantized) and MoE routers.
 BF16_PATTERNS = ("*lm_head*", "*embed_tokens*", "*mlp.gate.*", "*router*", "*shared_expert_gate*")
@@ -25,8 +23,8 @@ class Thresholds:
     most) with margin; the reload bound is tight because on the CPU the reader is bit-exact.
     """
 
-    top1_agreement: float
-    mean_kl: float  # nats per token, at most
+    continuation_top1: float  # on the BF16 model's own greedy continuations, at least
+    answer_kl: float  # nats per token on the assistant turns, at most
     identical_greedy: float
     adapter_retention: float  # pooled least-squares coefficient, at least
     reload_max_logit_diff: float  # independent reader vs calibrated fake-quant model, at most
@@ -42,10 +40,19 @@ class Recipe:
     weight_bits: float  # storage bits per quantized weight, scales included
     activations_quantized: bool
     thresholds: Thresholds
+    # ModelOpt's calibration algorithm, when it is not the config's own (e.g. awq_lite).
+    algorithm: dict[str, Any] | None = None
+    # The algorithm changes weights (AWQ smooths them): layerwise calibration writes each layer
+    # back, and the stored weights are no longer the merged ones.
+    mutates_weights: bool = False
+    # AWQ's pre_quant_scale folded into norms and projections before export (engines run none).
+    folds_pre_quant_scale: bool = False
 
     def quant_config(self, use_cpu_backend: bool) -> dict[str, Any]:
         """ModelOpt's config for this recipe, our BF16 exclusions appended."""
         import modelopt.torch.quantization as mtq
+
+        from . import fakequant
 
         config = copy.deepcopy(getattr(mtq, self.modelopt_config))
         entries = config["quant_cfg"]
@@ -56,6 +63,8 @@ class Recipe:
         entries.extend({"quantizer_name": p, "enable": False} for p in BF16_PATTERNS)
         if not self.activations_quantized:
             entries.append({"quantizer_name": "*input_quantizer", "enable": False})
+        if self.algorithm is not None:
+            config["algorithm"] = copy.deepcopy(self.algorithm)
         return config
 
 
@@ -69,8 +78,8 @@ RECIPES: dict[str, Recipe] = {
         weight_bits=4.5,
         activations_quantized=True,
         thresholds=Thresholds(
-            top1_agreement=0.5,
-            mean_kl=1.5,
+            continuation_top1=0.9,
+            answer_kl=0.3,
             identical_greedy=0.5,
             adapter_retention=0.5,
             reload_max_logit_diff=1e-3,
@@ -87,8 +96,8 @@ RECIPES: dict[str, Recipe] = {
         weight_bits=4.25,
         activations_quantized=False,
         thresholds=Thresholds(
-            top1_agreement=0.5,
-            mean_kl=1.5,
+            continuation_top1=0.9,
+            answer_kl=0.3,
             identical_greedy=0.4,
             adapter_retention=0.5,
             reload_max_logit_diff=1e-3,
@@ -103,8 +112,8 @@ RECIPES: dict[str, Recipe] = {
         weight_bits=8.0,
         activations_quantized=True,
         thresholds=Thresholds(
-            top1_agreement=0.8,
-            mean_kl=0.2,
+            continuation_top1=0.95,
+            answer_kl=0.05,
             identical_greedy=0.6,
             adapter_retention=0.8,
             reload_max_logit_diff=1e-3,

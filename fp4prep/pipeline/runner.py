@@ -31,6 +31,7 @@ from . import corpus as corpus_mod
 from . import device as device_mod
 from . import export as export_mod
 from . import limits, quantize, reader, streaming, validate
+from . import parity as parity_mod
 from .checkpoint import TensorSource, directory_bytes, read_config
 from .config import EVAL_FILE, PipelineConfig, PipelineResult, TaskReport
 from .errors import Cancelled, InternalError, PipelineError, UserError
@@ -43,11 +44,12 @@ logger = logging.getLogger(__name__)
 RELOAD_CHECK_TOKENS = 128
 STATE_FILE = "run.json"  # what the work directory's state was made from
 CALIBRATED_FILE = "calibrated.pt"
+WRITTEN_DIR = "written"  # weights calibration changed (AWQ), as they are written back
 EXPORTED_MARK = "exported"
 
 
 def run(config: PipelineConfig) -> PipelineResult:
-    recipe = get_recipe(config.quantization)
+    recipe = config.recipe or get_recipe(config.quantization)
     thresholds = config.thresholds or recipe.thresholds
     progress = Progress(config.progress, config.should_cancel)
     _check_output_dir(config.output_dir)
@@ -115,6 +117,7 @@ def _fingerprint(config: PipelineConfig, compute: device_mod.Compute, sha: str |
         "calibration_sha256": sha,
         "general_text": str(config.general_text_file) if config.general_text_file else None,
         "quantization": config.quantization,
+        "recipe": repr(config.recipe) if config.recipe else None,
         "calibration_tokens": config.calibration_tokens,
         "sequence_length": config.sequence_length,
         "user_token_minimum": config.user_token_minimum,
@@ -163,10 +166,14 @@ def _run(
             report=progress.sub(0.0, 0.1),
         )
         _claim_state(work, _fingerprint(config, compute, corpus.stats.calibration_sha256))
+        if recipe.mutates_weights:
+            merged.keep_written(work / WRITTEN_DIR)
         calibrated = work / CALIBRATED_FILE
         resumed_from: int | None = None
+        factors: quantize.Factors = {}
         if calibrated.is_file():
-            expert_tokens = quantize.restore_quantizers(model, calibrated, compute)["expert_tokens"]
+            restored = quantize.restore_quantizers(model, calibrated, compute)
+            expert_tokens, factors = restored["expert_tokens"], restored.get("fold_factors", {})
             resumed_from = len(streaming.decoder_layers(model)[1])
             _note(config, f"Resuming: every layer was calibrated by an earlier run ({resumed_from} layers)")
         else:
@@ -181,12 +188,14 @@ def _run(
 
     with progress.stage("quantizing"):
         if not calibrated.is_file():
+            if recipe.folds_pre_quant_scale:
+                factors = quantize.fold_pre_quant_scales(model)
             quantize.share_fused_scales(model)
-            quantize.save_quantizers(model, calibrated, {"expert_tokens": expert_tokens})
+            quantize.save_quantizers(model, calibrated, {"expert_tokens": expert_tokens, "fold_factors": factors})
             shutil.rmtree(work / quantize.CALIBRATION_DIR, ignore_errors=True)
         quantize.use_reference_numerics(model)
         reload_examples = corpus.parity[:1]
-        reference = [validate.logits(model, e.input_ids[:RELOAD_CHECK_TOKENS]) for e in reload_examples]
+        reference = [parity_mod.logits(model, e.input_ids[:RELOAD_CHECK_TOKENS]) for e in reload_examples]
 
     with progress.stage("exporting"):
         if not (work / EXPORTED_MARK).is_file():
@@ -199,24 +208,29 @@ def _run(
     with progress.stage("validating"):
         checks = validate.structure(out, recipe, bf16_bytes)
         candidate = reader.load(out, compute)
-        reload_diff = validate.reload_difference(reference, candidate, reload_examples)
+        reload_diff = parity_mod.reload_difference(reference, candidate, reload_examples)
         progress.update(0.1)
+        # The BF16 merged model again, read from the base as the calibrated one was: merging is
+        # cheap and deterministic, and a BF16 copy of a large base is not. Not the calibrated
+        # model's map when calibration changed weights (those are the checkpoint's, not BF16's).
+        if recipe.mutates_weights:
+            merged = MergedWeights(source, adapter, compute.dtype, compute.device)
         kept = (
-            validate.retention(merged, reader.DequantizedWeights(out, torch.float32, compute.device)) if merged.targets() else None
+            validate.retention(merged, reader.DequantizedWeights(out, torch.float32, compute.device), factors)
+            if merged.targets()
+            else None
         )
         progress.update(0.2)
-        # The BF16 merged model again, read from the base as the calibrated one was: merging is
-        # cheap and deterministic, and a BF16 copy of a large base is not.
         bf16_model = streaming.build(base_config, merged, compute, config.base_dir)
         task = None
         eval_file = config.eval_file or _adapter_eval_file(config.adapter_dir)
         parity_end = 0.6 if eval_file is not None else 1.0
-        parity = validate.token_parity(
+        parity = parity_mod.token_parity(
             bf16_model, candidate, corpus.parity, config.continuation_tokens, progress.sub(0.2, parity_end)
         )
         if eval_file is not None:
-            bf16_score, n = validate.task_success(bf16_model, tokenizer, eval_file, progress.sub(0.6, 0.8))
-            quant_score, _ = validate.task_success(candidate, tokenizer, eval_file, progress.sub(0.8, 1.0))
+            bf16_score, n = parity_mod.task_success(bf16_model, tokenizer, eval_file, progress.sub(0.6, 0.8))
+            quant_score, _ = parity_mod.task_success(candidate, tokenizer, eval_file, progress.sub(0.8, 1.0))
             task = TaskReport(prompts=n, bf16_success=bf16_score, quantized_success=quant_score)
         del bf16_model, candidate
         missed = validate.misses(thresholds, parity, reload_diff, kept)

@@ -8,7 +8,7 @@ from fp4prep.pipeline import PipelineConfig, PipelineResult, Thresholds, run
 # Random tiny models have near-uniform outputs: behaviour thresholds are the demo's business.
 # The reload check stays strict: the independent reader must reproduce the calibrated model.
 TINY = Thresholds(
-    top1_agreement=0.0, mean_kl=1.0, identical_greedy=0.0, adapter_retention=0.5, reload_max_logit_diff=1e-3
+    continuation_top1=0.0, answer_kl=1.0, identical_greedy=0.0, adapter_retention=0.5, reload_max_logit_diff=1e-3
 )
 
 

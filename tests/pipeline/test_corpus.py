@@ -147,3 +147,23 @@ def test_validation_keeps_counts_not_conversations() -> None:
     tracemalloc.stop()
     assert report.conversations == 20_000 and report.ok
     assert peak < 1024 * 1024, f"validation held {peak:,} bytes"
+
+
+def test_answer_spans_are_the_assistant_turns_of_the_rendered_conversation(tokenizer_dir: Path) -> None:
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    multi = {"messages": [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": "hello there"},
+        {"role": "user", "content": "and now?"},
+        {"role": "assistant", "content": "still here"},
+    ]}
+    for row, answers in ((multi, ["hello there", "still here"]), (TOOL_CALL, ["", "It has shipped."])):
+        (conversation,) = conversations.parse([json.dumps(row)])
+        ids = corpus.render(tokenizer, conversation)
+        spans = corpus.answer_spans(tokenizer, conversation, ids)
+        texts = [tokenizer.decode(ids[start:end]) for start, end in spans]
+        assert [t.removesuffix("<|im_end|>\n").removesuffix("<|im_end|>") for t in texts] == answers, texts
+        # Truncated to a prefix, a turn keeps the part that is left.
+        cut = spans[-1][0] + 2
+        assert corpus.answer_spans(tokenizer, conversation, ids[:cut])[-1] == (spans[-1][0], cut)

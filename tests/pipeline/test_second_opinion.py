@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from fp4prep.pipeline import device, export, reader, validate
+from fp4prep.pipeline import device, export, parity, reader
 
 from .helpers import run_tiny
 
@@ -53,7 +53,7 @@ def test_compressed_tensors_reads_our_checkpoint_as_our_reader_does(
         tensor, theirs_tensor = weights[name], theirs_state[name]
         # compressed-tensors divides by the reciprocal global scale: at most one BF16 step apart.
         assert torch.allclose(tensor.float(), theirs_tensor.float(), rtol=2**-7, atol=0), name
-    diff = (validate.logits(theirs, IDS) - validate.logits(ours, IDS)).abs().max()
+    diff = (parity.logits(theirs, IDS) - parity.logits(ours, IDS)).abs().max()
     assert float(diff) <= 0.05
 
 

@@ -159,8 +159,8 @@ def test_devices_are_named_as_the_command_line_takes_them() -> None:
 
 
 def test_without_the_quality_gate_a_miss_is_written_and_recorded(llama_base: Path, tmp_path: Path) -> None:
-    impossible = TINY.__class__(**{**TINY.__dict__, "top1_agreement": 1.01})
-    with pytest.raises(PipelineError, match=r"missed its quality thresholds: top-1 agreement .* < 1\.01"):
+    impossible = TINY.__class__(**{**TINY.__dict__, "continuation_top1": 1.01})
+    with pytest.raises(PipelineError, match=r"missed its quality thresholds: top-1 agreement on the BF16 model's own continuations .* < 1\.01"):
         run_tiny(llama_base, tmp_path / "gated", thresholds=impossible)
     assert not (tmp_path / "gated").exists()
 

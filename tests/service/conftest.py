@@ -38,8 +38,8 @@ TINY_RECIPE = {
     "continuation_tokens": 6,
     # Random tiny models have near-uniform outputs: behaviour thresholds are the demo's business.
     "thresholds": {
-        "top1_agreement": 0.0,
-        "mean_kl": 1.0,
+        "continuation_top1": 0.0,
+        "answer_kl": 1.0,
         "identical_greedy": 0.0,
         "adapter_retention": 0.5,
         "reload_max_logit_diff": 1e-3,

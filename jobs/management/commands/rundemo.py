@@ -171,8 +171,8 @@ class Command(BaseCommand):
             parity, task = report["parity"], report.get("task") or {}
             self.say(
                 f"\nPrepared model {results['api_model_object_id']} revision {results['api_model_revision_id']}\n"
-                f"  identical greedy continuations {parity['identical_greedy']:.2f}, top-1 agreement "
-                f"{parity['top1_agreement']:.3f}, mean KL {parity['mean_kl']:.3f}"
+                f"  on answers: top-1 {parity['answer_top1']:.3f}, KL {parity['answer_kl']:.3f}; top-1 on the BF16 "
+                f"model's continuations {parity['continuation_top1']:.3f}; identical greedy {parity['identical_greedy']:.2f}"
                 + (f"\n  adapter task: {task['bf16_success']:.0%} (BF16 merged) -> {task['quantized_success']:.0%} (NVFP4)" if task else "")
                 + f"\n  download: curl -H 'Authorization: Bearer {key}' -o model.tar "
                 f"{url}/v1/models/{results['api_model_object_id']}/revisions/{results['api_model_revision_id']}/download"

@@ -97,7 +97,7 @@ def test_a_team_prepares_watches_downloads_and_cancels_and_an_outsider_sees_noth
     for stage in ("merging", "calibrating", "quantizing", "exporting", "validating"):
         assert stage in events.lower()
     quality = alice.locator("#quality")
-    assert "Top-1 token agreement" in quality.inner_text() and "Checkpoint size" in quality.inner_text()
+    assert "Top-1 agreement on BF16's own answers" in quality.inner_text() and "Checkpoint size" in quality.inner_text()
     assert quality.locator(".fill.fp4").count() >= 3
     shoot(alice, "job-completed")
     seen = len(polls)

@@ -29,7 +29,7 @@ def test_the_shipped_entries_are_valid_and_priced_as_the_spec_says(shipped_catal
     ("recipe", "message"),
     [
         ({"calibration_token": 10}, "unknown keys ['calibration_token']"),
-        ({"thresholds": {"mean_kl": 1.0}}, "thresholds must be an object with exactly the keys"),
+        ({"thresholds": {"answer_kl": 1.0}}, "thresholds must be an object with exactly the keys"),
         ([], "must be a JSON object"),
     ],
 )

@@ -1,0 +1,138 @@
+"""Benchmark: which quantization recipe keeps an adapter's skill best, at what cost.
+
+Runs the real pipeline (merge, layerwise calibration, export, independent reload, parity) once per
+candidate recipe and adapter, each in its own process, on the demo base (SmolLM2-135M-Instruct)
+with two adapters of different kinds: the demo's sentiment labels, and strict JSON extraction of an
+order. Prints one table: per candidate, parity where the model answers (KL and top-1 on the
+assistant turns, top-1 on the BF16 model's own greedy continuations, identical greedy), the
+adapter's task success on the checkpoint against BF16, calibration time against the format's
+default recipe, and peak memory.
+
+Only candidates an engine executes are here: weight-side methods (MSE / local-Hessian / 4-over-6
+weight scales, GPTQ, AWQ with its scales folded into norms and projections). SVDQuant (a BF16
+low-rank branch beside each layer) and activation-side changes vLLM does not run are left out.
+
+    .venv/bin/python benchmarks/recipe_search.py [--format nvfp4|mxfp4|all] [--only NAME ...] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+AWQ_FOLDED = {"mutates_weights": True, "folds_pre_quant_scale": True}
+# name -> (format, the changes to the format's default recipe)
+CANDIDATES: dict[str, tuple[str, dict[str, Any]]] = {
+    "nvfp4 max (default)": ("nvfp4", {}),
+    "nvfp4 4/6 weight scales": ("nvfp4", {"modelopt_config": "NVFP4_FOUR_OVER_SIX_CFG"}),
+    "nvfp4 MSE weight scales (FP8 sweep)": ("nvfp4", {"modelopt_config": "NVFP4_W4A4_WEIGHT_MSE_FP8_SWEEP_CFG"}),
+    "nvfp4 local-Hessian weight scales": ("nvfp4", {"modelopt_config": "NVFP4_W4A4_WEIGHT_LOCAL_HESSIAN_CFG"}),
+    "nvfp4 GPTQ": ("nvfp4", {"modelopt_config": "NVFP4_W4A4_WEIGHT_MSE_FP8_SWEEP_CFG", "algorithm": {"method": "gptq"},
+                            "mutates_weights": True}),
+    "nvfp4 AWQ-lite, folded (alpha step 0.25)": ("nvfp4", {"algorithm": {"method": "awq_lite", "alpha_step": 0.25}, **AWQ_FOLDED}),
+    "nvfp4 AWQ-lite, folded (alpha step 0.5)": ("nvfp4", {"algorithm": {"method": "awq_lite", "alpha_step": 0.5}, **AWQ_FOLDED}),
+    "mxfp4 max (default)": ("mxfp4", {}),
+    "mxfp4 AWQ-lite, folded (alpha step 0.25)": ("mxfp4", {"algorithm": {"method": "awq_lite", "alpha_step": 0.25}, **AWQ_FOLDED}),
+}
+TASKS = ("sentiment", "orders")
+
+CHILD = """
+import dataclasses, json, sys, time
+from pathlib import Path
+from fp4prep import demo
+from fp4prep.pipeline import PipelineConfig, Thresholds, run
+from fp4prep.pipeline.recipes import RECIPES
+fmt, changes, task, out = sys.argv[1], json.loads(sys.argv[2]), sys.argv[3], Path(sys.argv[4])
+assets = demo.build(task=demo.TASKS[task])
+recipe = dataclasses.replace(RECIPES[fmt], **changes)
+measure = Thresholds(continuation_top1=0, answer_kl=1e9, identical_greedy=0, adapter_retention=-1e9, reload_max_logit_diff=1e-3)
+started = time.perf_counter()
+result = run(PipelineConfig(base_dir=assets.base_dir, output_dir=out, quantization=fmt, adapter_dir=assets.adapter_dir,
+                            calibration_file=assets.calibration_file, recipe=recipe, thresholds=measure, quality_gate=False))
+import resource
+peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+print(json.dumps({**result.to_dict(), "wall": time.perf_counter() - started, "peak_rss": peak}, default=str))
+"""
+
+
+def run_candidate(name: str, task: str) -> dict[str, Any]:
+    fmt, changes = CANDIDATES[name]
+    with tempfile.TemporaryDirectory(prefix="fp4prep-search-") as tmp:
+        proc = subprocess.Popen(
+            [sys.executable, "-c", CHILD, fmt, json.dumps(changes), task, str(Path(tmp) / "out")],
+            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        )
+        stdout, stderr = proc.communicate()
+    if proc.returncode != 0:
+        return {"candidate": name, "task": task, "failed": stderr.strip().splitlines()[-1][:300]}
+    result = json.loads(stdout.strip().splitlines()[-1])
+    parity, tasks = result["parity"], result.get("task") or {}
+    return {
+        "candidate": name,
+        "task": task,
+        "answer_kl": parity["answer_kl"],
+        "answer_top1": parity["answer_top1"],
+        "continuation_top1": parity["continuation_top1"],
+        "identical_greedy": parity["identical_greedy"],
+        "whole_kl": parity["mean_kl"],
+        "bf16_success": tasks.get("bf16_success"),
+        "success": tasks.get("quantized_success"),
+        "calibrating_s": result["stage_seconds"]["calibrating"],
+        "quantizing_s": result["stage_seconds"]["quantizing"],
+        "reload": result["reload_max_logit_diff"],
+        "retention": (result.get("retention") or {}).get("pooled"),
+        "peak_rss_mib": result["peak_rss"] / 2**20,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--format", choices=["nvfp4", "mxfp4", "all"], default="all")
+    parser.add_argument("--only", nargs="*", help="candidate names (substrings) to run")
+    parser.add_argument("--task", choices=TASKS, action="append", help="adapters to run (default: both)")
+    parser.add_argument("--json", type=Path, help="write the rows here too")
+    args = parser.parse_args()
+
+    names = [n for n, (fmt, _) in CANDIDATES.items() if args.format in ("all", fmt)]
+    if args.only:
+        names = [n for n in names if any(o in n for o in args.only)]
+    rows = []
+    for task in args.task or TASKS:
+        for name in names:
+            before = time.perf_counter()
+            row = run_candidate(name, task)
+            row["wall_s"] = time.perf_counter() - before
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    if args.json:
+        args.json.write_text(json.dumps(rows, indent=2))
+    table(rows)
+
+
+def table(rows: list[dict[str, Any]]) -> None:
+    defaults = {(r["task"], r["candidate"].split()[0]): r["calibrating_s"] for r in rows if "(default)" in r["candidate"] and "failed" not in r}
+    print("\n| adapter | candidate | KL on answers | top-1 on answers | top-1 on BF16's continuations | identical greedy "
+          "| task: BF16 → FP4 | calibrating (× default) | peak RSS | reload |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        if "failed" in r:
+            print(f"| {r['task']} | {r['candidate']} | failed: {r['failed']} |||||||")
+            continue
+        base = defaults.get((r["task"], r["candidate"].split()[0]))
+        ratio = f" ({r['calibrating_s'] / base:.1f}×)" if base else ""
+        task = f"{r['bf16_success']:.0%} → {r['success']:.0%}" if r["success"] is not None else "n/a"
+        print(f"| {r['task']} | {r['candidate']} | {r['answer_kl']:.4f} | {r['answer_top1']:.3f} | {r['continuation_top1']:.3f} | "
+              f"{r['identical_greedy']:.2f} | {task} | {r['calibrating_s']:.1f} s{ratio} | {r['peak_rss_mib']:.0f} MiB | {r['reload']:.1g} |")
+
+
+if __name__ == "__main__":
+    main()
