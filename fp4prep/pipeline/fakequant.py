@@ -65,24 +65,24 @@ def nvfp4_fake_quant(x: torch.Tensor, block_size: int, global_amax: torch.Tensor
     return out.reshape(x.shape).to(x.dtype)
 
 
-def _fp8_round_trip(x: torch.Tensor, amax: torch.Tensor) -> torch.Tensor:
-    """E4M3 fake quantization as ModelOpt's eager path does it (multiply by ``448 / amax``)."""
-    safe = torch.where(amax <= 2**-24, torch.ones_like(amax), amax)
-    scale = 448.0 / safe
-    return (x * scale).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn).float() * (1 / scale)
-
-
 def static_nvfp4_scales(
     amax: torch.Tensor, global_amax: torch.Tensor | None, quantize: bool = True, fp8_max: float = E4M3_MAX
 ) -> torch.Tensor:
-    """The block scales of a static NVFP4 quantizer (per-block amax fixed by calibration: MSE,
-    local Hessian, GPTQ, 4/6), as ModelOpt computes them: ``amax / 6``, round-tripped through
-    E4M3 against the global amax (normalized to 256 instead of 448 in 4/6 mode)."""
+    """The block steps of a static NVFP4 quantizer (per-block amax fixed by calibration: MSE,
+    local Hessian, GPTQ, 4/6), as the exported checkpoint holds them and engines apply them: an
+    E4M3 code per block, ``amax / 6`` normalized against the global amax (to 256 instead of 448
+    in 4/6 mode), times the FP32 global scale ``global_amax / (6 * fp8_max)``.
+
+    ModelOpt's Triton kernel rounds the same codes but forms the product in another order, which
+    shows in the last bit of BF16 results; the checkpoint's order is the one that counts.
+    """
     scale = amax.float() / E2M1_MAX
     if not quantize:
         return scale
     top = amax.float().amax() if global_amax is None else global_amax.float()
-    return _fp8_round_trip(scale, top * (E4M3_MAX / fp8_max) / E2M1_MAX)
+    scale = torch.where(scale == 0, torch.ones_like(scale), scale)
+    code = (scale * fp8_max / (top / E2M1_MAX)).clamp(min=2**-9, max=E4M3_MAX).to(torch.float8_e4m3fn).float()
+    return code * (top / (E2M1_MAX * fp8_max))
 
 
 def quantize_to_scales(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -186,7 +186,14 @@ def register() -> None:
     # Static quantizers (promoted by MSE, local-Hessian and GPTQ calibration) call this kernel
     # directly, whatever their backend; without Triton (a CPU) it can't run.
     if not _triton_available():
-        tensor_quantizer.static_blockwise_fp4_fake_quant = static_nvfp4_fake_quant
+        use_checkpoint_numerics_for_static_scales()
+
+
+def use_checkpoint_numerics_for_static_scales() -> None:
+    """Make static NVFP4 quantizers compute what the checkpoint holds (``static_nvfp4_fake_quant``)."""
+    from modelopt.torch.quantization.nn.modules import tensor_quantizer
+
+    tensor_quantizer.static_blockwise_fp4_fake_quant = static_nvfp4_fake_quant
 
 
 def _triton_available() -> bool:

@@ -217,6 +217,7 @@ def use_reference_numerics(model: torch.nn.Module) -> None:
     from modelopt.torch.quantization.nn import TensorQuantizer
 
     fakequant.register()
+    fakequant.use_checkpoint_numerics_for_static_scales()
     for module in model.modules():
         if isinstance(module, TensorQuantizer) and module.is_enabled and fakequant.handles(module.num_bits):
             module.backend = fakequant.BACKEND_NAME

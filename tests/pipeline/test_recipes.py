@@ -1,0 +1,123 @@
+"""Recipes beyond max calibration, on tiny models: AWQ folded away, static weight scales, GPTQ, and
+the reload check that catches a calibrated model the engine would not reproduce."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from fp4prep.pipeline import PipelineError
+from fp4prep.pipeline.recipes import RECIPES, Recipe
+
+from .conftest import save_adapter
+from .helpers import run_tiny
+
+AWQ = {"algorithm": {"method": "awq_lite", "alpha_step": 0.25}, "mutates_weights": True, "folds_pre_quant_scale": True}
+
+
+def variant(fmt: str, **changes: Any) -> Recipe:
+    return dataclasses.replace(RECIPES[fmt], **changes)
+
+
+def stored(directory: Path) -> dict[str, torch.Tensor]:
+    tensors: dict[str, torch.Tensor] = {}
+    for f in sorted(directory.glob("*.safetensors")):
+        tensors.update(load_file(str(f)))
+    return tensors
+
+
+@pytest.mark.parametrize(("arch", "fmt"), [("llama", "nvfp4"), ("glm4_moe", "nvfp4"), ("llama", "mxfp4")])
+def test_awq_scales_are_folded_away_and_the_checkpoint_is_the_plain_format(
+    make_base: Any, tmp_path: Path, calibration_file: Path, arch: str, fmt: str
+) -> None:
+    base = make_base(arch)
+    targets = ["q_proj", "v_proj", "o_proj"] + (["gate_proj", "up_proj", "down_proj"] if arch == "llama" else [])
+    adapter = save_adapter(base, tmp_path / "adapter", targets=targets, b_scale=0.05)
+    out = tmp_path / "out"
+    result = run_tiny(base, out, fmt, adapter_dir=adapter, calibration_file=calibration_file, recipe=variant(fmt, **AWQ))
+    # The checkpoint declares the format engines load, carries no pre_quant_scale, and the
+    # independent reader reproduces the calibrated (smoothed, folded) model exactly.
+    config = json.loads((out / "config.json").read_text())["quantization_config"]
+    assert config.get("quant_algo", config.get("format")) in ("NVFP4", "mxfp4-pack-quantized")
+    tensors = stored(out)
+    assert not [k for k in tensors if "pre_quant_scale" in k]
+    assert result.reload_max_logit_diff == 0.0
+    # The scales went into the norms (which are BF16 in the checkpoint, no longer the base's) ...
+    base_tensors = stored(base)
+    assert not torch.equal(tensors["model.layers.0.input_layernorm.weight"], base_tensors["model.layers.0.input_layernorm.weight"])
+    # ... and the adapter's change is still measured right through them.
+    assert result.retention is not None and result.retention.pooled > 0.9, result.retention
+
+
+def test_an_awq_run_stopped_midway_resumes_to_the_same_bytes(tmp_path: Path, tokenizer_dir: Path, calibration_file: Path) -> None:
+    from transformers import AutoModelForCausalLM
+
+    from fp4prep.pipeline import Cancelled
+
+    from .conftest import tiny_config
+    from .test_streaming import cancel_at, checkpoint_bytes
+
+    config = tiny_config("llama")
+    config.num_hidden_layers = 4
+    torch.manual_seed(0)
+    base = tmp_path / "base"
+    AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).save_pretrained(base)
+    for f in tokenizer_dir.iterdir():
+        (base / f.name).write_bytes(f.read_bytes())
+    adapter = save_adapter(base, tmp_path / "adapter", targets=["q_proj", "down_proj"], b_scale=0.05)
+    common = {"adapter_dir": adapter, "calibration_file": calibration_file, "recipe": variant("nvfp4", **AWQ)}
+    straight = run_tiny(base, tmp_path / "straight", **common)
+    work = tmp_path / "work"
+    progress, should_cancel = cancel_at("calibrating", 0.6)
+    with pytest.raises(Cancelled):
+        run_tiny(base, tmp_path / "resumed", work_dir=work, progress=progress, should_cancel=should_cancel, **common)
+    assert any((work / "written").glob("*.safetensors"))  # the smoothed layers, kept for the resume
+    resumed = run_tiny(base, tmp_path / "resumed", work_dir=work, **common)
+    assert resumed.resumed_from_layer is not None and 0 < resumed.resumed_from_layer < 4
+    assert checkpoint_bytes(tmp_path / "resumed") == checkpoint_bytes(tmp_path / "straight")
+    assert resumed.reload_max_logit_diff == 0.0 and list(work.iterdir()) == []
+    assert resumed.retention == straight.retention
+
+
+@pytest.mark.parametrize(
+    "changes",
+    [
+        {"modelopt_config": "NVFP4_W4A4_WEIGHT_MSE_FP8_SWEEP_CFG"},
+        {"modelopt_config": "NVFP4_FOUR_OVER_SIX_CFG"},
+        {"modelopt_config": "NVFP4_W4A4_WEIGHT_MSE_FP8_SWEEP_CFG", "algorithm": {"method": "gptq"}, "mutates_weights": True},
+    ],
+    ids=["mse", "four-over-six", "gptq"],
+)
+def test_static_weight_scales_run_on_the_cpu_and_reload_exactly(
+    llama_base: Path, tmp_path: Path, calibration_file: Path, changes: dict[str, Any]
+) -> None:
+    # ModelOpt computes these with Triton kernels; here the CPU backend's torch versions run, and
+    # the checkpoint ModelOpt exports from them must hold exactly what they computed.
+    result = run_tiny(llama_base, tmp_path / "out", calibration_file=calibration_file, recipe=variant("nvfp4", **changes))
+    assert result.reload_max_logit_diff == 0.0
+
+
+@dataclasses.dataclass(frozen=True)
+class ActivationBlocksOf32(Recipe):
+    """NVFP4 with activations calibrated in blocks of 32: engines quantize them in blocks of 16."""
+
+    def quant_config(self, use_cpu_backend: bool) -> dict[str, Any]:
+        config = super().quant_config(use_cpu_backend)
+        for entry in config["quant_cfg"]:
+            if entry.get("quantizer_name") == "*input_quantizer" and isinstance(entry.get("cfg"), dict):
+                entry["cfg"]["block_sizes"] = {**entry["cfg"]["block_sizes"], -1: 32}
+        return config
+
+
+def test_a_calibrated_model_the_engine_would_not_reproduce_fails_the_reload_check(llama_base: Path, tmp_path: Path) -> None:
+    nvfp4 = RECIPES["nvfp4"]
+    mismatched = ActivationBlocksOf32(**{f.name: getattr(nvfp4, f.name) for f in dataclasses.fields(nvfp4)})
+    with pytest.raises(PipelineError, match="the reloaded checkpoint's logits differ from the calibrated model's"):
+        run_tiny(llama_base, tmp_path / "out", recipe=mismatched)
+    assert not (tmp_path / "out").exists()
