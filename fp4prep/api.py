@@ -44,7 +44,7 @@ def _flatten(detail: Any, prefix: str = "") -> list[str]:
 
 
 def exception_handler(exc: Exception, context: dict[str, Any]) -> Response | None:
-    """Every error as ``{"error": {"code", "message"}}`` (SPEC section 3)."""
+    """Every error as ``{"error": {"code", "message"}}``."""
     if isinstance(exc, ServiceError):
         return error_response(exc.status, exc.code, exc.message)
     if isinstance(exc, Http404):

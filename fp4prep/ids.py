@@ -1,4 +1,4 @@
-"""Opaque, prefixed, random IDs (SPEC section 1): nothing sequential leaks through an ID."""
+"""Opaque, prefixed, random IDs: nothing sequential leaks through an ID."""
 
 from __future__ import annotations
 

@@ -37,6 +37,7 @@ INSTALLED_APPS = [
     "django.contrib.staticfiles",
     "rest_framework",
     "drf_spectacular",
+    "drf_spectacular_sidecar",
     "axes",
     "django_q",
     "django_htmx",
@@ -70,7 +71,7 @@ TEMPLATES = [
         "APP_DIRS": True,
         "OPTIONS": {
             # {% partialdef %} in every template: pages and the parts HTMX swaps live in one file.
-            "builtins": ["template_partials.templatetags.partials"],
+            "builtins": ["template_partials.templatetags.partials", "fp4prep.filters"],
             "context_processors": [
                 "django.template.context_processors.request",
                 "django.contrib.auth.context_processors.auth",
@@ -209,6 +210,10 @@ SPECTACULAR_SETTINGS = {
     "VERSION": "1",
     "SERVE_INCLUDE_SCHEMA": False,
     "COMPONENT_SPLIT_REQUEST": True,
+    # The docs page's Swagger UI comes from this app's static files, never a CDN.
+    "SWAGGER_UI_DIST": "SIDECAR",
+    "SWAGGER_UI_FAVICON_HREF": "SIDECAR",
+    "REDOC_DIST": "SIDECAR",
     "ENUM_NAME_OVERRIDES": {
         "JobStatusEnum": "jobs.models.Job.Status",
         "FileStatusEnum": "jobs.models.CalibrationFile.Status",

@@ -1,7 +1,7 @@
 from django.contrib import admin
 from django.contrib.auth import views as auth
 from django.urls import include, path
-from drf_spectacular.views import SpectacularAPIView
+from drf_spectacular.views import SpectacularAPIView, SpectacularSwaggerView
 
 from jobs import views as jobs
 from registry import views as registry
@@ -32,6 +32,8 @@ urlpatterns = [
     path("projects/<str:project_id>/", include(pages)),
     path("admin/", admin.site.urls),
     path("v1/schema", SpectacularAPIView.as_view(authentication_classes=[], permission_classes=[]), name="api-schema"),
+    path("v1/docs", SpectacularSwaggerView.as_view(url_name="api-schema", authentication_classes=[], permission_classes=[]),
+         name="api-docs"),
     path("v1/", include("registry.urls")),
     path("v1/", include("jobs.urls")),
 ]

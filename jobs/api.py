@@ -1,4 +1,4 @@
-"""REST endpoints of calibration files and FP4 preparation jobs (SPEC section 3)."""
+"""REST endpoints of calibration files and FP4 preparation jobs."""
 
 from __future__ import annotations
 
@@ -99,7 +99,9 @@ class JobList(ListAPIView):
     def post(self, request: Request) -> Response:
         key = request.headers.get("Idempotency-Key", "")
         job = services.create_job(project_of(request), _inputs(request), idempotency_key=key)
-        response = Response(JobSerializer(JOBS.get(pk=job.pk)).data, status=201)
+        # The job as it was created (``pending``), even if the scheduler queued it the moment the
+        # create committed; a replay answers with the job as it is now.
+        response = Response(JobSerializer(job).data, status=201)
         if job.replayed:
             response["Idempotent-Replayed"] = "true"
         return response

@@ -12,6 +12,10 @@ class JobsConfig(AppConfig):
         from registry.support import ensure_support_group
 
         from . import checks  # noqa: F401 - registers the system checks
+        from .lifecycle import slot_freed
+        from .scheduler import on_slot_freed
 
         # After the jobs app migrates, both apps' permissions exist.
         post_migrate.connect(ensure_support_group, sender=self, dispatch_uid="fp4prep-support-group")
+        # A job that ended or was cancelled frees a slot: the scheduler dispatches the next one.
+        slot_freed.connect(on_slot_freed, dispatch_uid="fp4prep-dispatch")

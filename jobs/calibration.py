@@ -1,4 +1,4 @@
-"""Storing and validating an uploaded calibration file (SPEC section 4)."""
+"""Storing and validating an uploaded calibration file (JSONL conversations, validated line by line)."""
 
 from __future__ import annotations
 

@@ -10,7 +10,7 @@ from django.conf import settings
 from django.db import models
 from django.utils import timezone
 
-from fp4prep import ids
+from fp4prep import ids, statuses
 from fp4prep.errors import NotFound
 from registry.models import Model, Project, Revision, SupportedBase
 
@@ -50,6 +50,17 @@ def get_file(project: Project, file_id: str) -> CalibrationFile:
     return found
 
 
+# What each of a run's stages does, in their order: the pipeline's, then registration.
+STAGE_MESSAGES = {
+    "merging": "Merging the adapter into the base's BF16 weights",
+    "calibrating": "Calibrating on the corpus (half your conversations, half general text)",
+    "quantizing": "Quantizing",
+    "exporting": "Exporting the checkpoint",
+    "validating": "Validating: structure, independent reload, token parity with the BF16 merged model",
+    "uploading": "Registering the checkpoint as a new model revision",
+}
+
+
 class Job(models.Model):
     class Status(models.TextChoices):
         PENDING = "pending"
@@ -61,8 +72,8 @@ class Job(models.Model):
         ERROR = "error"
         USER_ERROR = "user_error"
 
-    TERMINAL = (Status.COMPLETED, Status.CANCELLED, Status.ERROR, Status.USER_ERROR)
-    CANCELLABLE = (Status.PENDING, Status.QUEUED, Status.RUNNING)
+    TERMINAL = tuple(s for s in Status.values if s in statuses.TERMINAL)
+    CANCELLABLE = tuple(s for s in Status.values if s in statuses.CANCELLABLE)
     # Holding a worker slot: handed to the queue and not yet finished.
     ACTIVE = (Status.QUEUED, Status.RUNNING, Status.CANCEL_REQUESTED)
 
@@ -81,7 +92,7 @@ class Job(models.Model):
     price_usd = models.DecimalField(max_digits=14, decimal_places=2)
     time_hours = models.DecimalField(max_digits=8, decimal_places=3)
     estimate = models.JSONField(default=dict)
-    result_model = models.ForeignKey(Model, null=True, blank=True, on_delete=models.SET_NULL, related_name="+")
+    result_model = models.ForeignKey(Model, null=True, blank=True, on_delete=models.SET_NULL, related_name="produced_by")
     result_revision = models.ForeignKey(Revision, null=True, blank=True, on_delete=models.SET_NULL, related_name="+")
     report = models.JSONField(default=dict, blank=True)  # the pipeline's result: parity, retention, sizes
     worker = models.CharField(max_length=200, blank=True)

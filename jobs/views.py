@@ -22,8 +22,7 @@ from fp4prep.web import paginate, project_page, upload, upload_page
 from registry.models import Model, Project
 
 from . import calibration, quality, services
-from .models import CalibrationFile, Job, get_file, get_job
-from .tasks import STAGE_MESSAGES
+from .models import STAGE_MESSAGES, CalibrationFile, Job, get_file, get_job
 
 FILTERS = {
     "active": ("Active", [Job.Status.PENDING, Job.Status.QUEUED, Job.Status.RUNNING, Job.Status.CANCEL_REQUESTED]),

@@ -31,7 +31,7 @@ from .serializers import (
 
 
 class WhoAmI(APIView):
-    @extend_schema(responses=ProjectSerializer, summary="The API key's project and its credit")
+    @extend_schema(responses=ProjectSerializer, summary="The API key's project, its credit and the upload limits")
     def get(self, request: Request) -> Response:
         project = project_of(request)
         credit = project.credit()
@@ -43,6 +43,11 @@ class WhoAmI(APIView):
                 "balance_usd": float(credit.balance),
                 "held_usd": float(credit.held),
                 "available_usd": float(credit.available),
+                # So that a client can refuse an upload before sending it.
+                "limits": {
+                    "calibration_file_bytes": settings.CALIBRATION_MAX_BYTES,
+                    "adapter_archive_bytes": settings.ADAPTER_MAX_BYTES,
+                },
             }
         )
 

@@ -13,19 +13,13 @@ from django.conf import settings
 from django.db import transaction
 from django.http import StreamingHttpResponse
 
+from fp4prep.hashing import file_sha256
+
 from .models import Model, Revision
 
 CHUNK = 1024 * 1024
 # A directory's files (path, size, sha256), their total size and one sha256 over the list.
 Listing = tuple[list[dict[str, Any]], int, str]
-
-
-def file_sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as f:
-        while chunk := f.read(CHUNK):
-            digest.update(chunk)
-    return digest.hexdigest()
 
 
 def manifest(directory: Path) -> Listing:

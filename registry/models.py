@@ -202,14 +202,6 @@ class SupportedBase(models.Model):
         # A handful of rows: JSON containment isn't portable to SQLite, a Python scan is.
         return next((b for b in cls.objects.filter(active=True) if base_id in b.accepted_base_ids), None)
 
-    def weights_dir(self) -> Path:
-        if self.weights_location.startswith("embedded:"):
-            from fp4prep import demo
-
-            return demo.base_dir()
-        path = Path(self.weights_location)
-        return path if path.is_absolute() else settings.WEIGHTS_ROOT / path
-
 
 class DeploymentProfile(models.Model):
     id = models.CharField(primary_key=True, max_length=40, default=ids.profile_id, editable=False)

@@ -61,6 +61,11 @@ class RegisterAdapterSerializer(serializers.Serializer):
     model_id = serializers.CharField(required=False, allow_blank=True, help_text="Add a revision to this adapter")
 
 
+class LimitsSerializer(serializers.Serializer):
+    calibration_file_bytes = serializers.IntegerField(help_text="the largest calibration file an upload takes")
+    adapter_archive_bytes = serializers.IntegerField(help_text="the largest adapter archive (unpacked) an upload takes")
+
+
 class ProjectSerializer(serializers.Serializer):
     id = serializers.CharField()
     name = serializers.CharField()
@@ -68,3 +73,4 @@ class ProjectSerializer(serializers.Serializer):
     balance_usd = serializers.FloatField()
     held_usd = serializers.FloatField()
     available_usd = serializers.FloatField()
+    limits = LimitsSerializer()

@@ -5,7 +5,6 @@ from __future__ import annotations
 from pathlib import Path
 
 from django.contrib.auth.decorators import login_required
-from django.db.models import Q
 from django.http import HttpRequest, HttpResponse
 from django.shortcuts import redirect, render
 from django.urls import reverse
@@ -90,9 +89,8 @@ def adapters(request: HttpRequest, project: Project) -> HttpResponse:
 @project_page
 def model_detail(request: HttpRequest, project: Project, model_id: str) -> HttpResponse:
     model = get_model(project, model_id, Model.objects.select_related("supported_base", "source_adapter").prefetch_related(NEWEST_FIRST))
-    from jobs.models import Job  # jobs depends on registry, not the other way round
-
-    jobs = Job.objects.filter(project=project).filter(Q(adapter=model) | Q(result_model=model)).order_by("-created_at")[:20]
+    # The jobs that prepared this adapter or produced this model, through the jobs app's relations.
+    jobs = (model.jobs.all() | model.produced_by.all()).filter(project=project).distinct().order_by("-created_at")[:20]
     prepared = model.prepared_models.filter(project=project).order_by("-created_at") if model.kind == Model.Kind.ADAPTER else []
     return render(
         request,

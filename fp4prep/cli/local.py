@@ -1,5 +1,5 @@
-"""The local commands: ``fp4prep quantize`` runs the pipeline on a checkpoint directory (seed
-004's command); ``fp4prep demo`` builds the embedded demo assets and runs ``quantize`` on them.
+"""The local commands: ``fp4prep quantize`` runs the pipeline on a checkpoint directory (the offline
+command); ``fp4prep demo`` builds the embedded demo assets and runs ``quantize`` on them.
 No server is involved."""
 
 from __future__ import annotations
@@ -15,9 +15,7 @@ from typing import Any
 
 from fp4prep.text import format_bytes
 
-EXIT_USER_ERROR = 2
-EXIT_ERROR = 1
-EXIT_CANCELLED = 130
+from . import exits
 
 
 class StageBars:
@@ -111,15 +109,15 @@ def cmd_quantize(args: argparse.Namespace) -> int:
     except UserError as exc:
         bars.close()
         print(f"error: {exc}", file=sys.stderr)
-        return EXIT_USER_ERROR
+        return exits.INPUT
     except PipelineError as exc:
         bars.close()
         print(f"error: {exc}", file=sys.stderr)
-        return EXIT_ERROR
+        return exits.ERROR
     except (Cancelled, KeyboardInterrupt):
         bars.close()
         print("cancelled: nothing was written", file=sys.stderr)
-        return EXIT_CANCELLED
+        return exits.STOPPED
     bars.close()
     for miss in result.quality_misses:
         print(f"warning: below the recipe's bar: {miss}", file=sys.stderr)

@@ -9,6 +9,8 @@ from collections.abc import Sequence
 from datetime import UTC, datetime
 from typing import Any
 
+from fp4prep.text import format_bytes
+
 
 def table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
     cells = [[str(h) for h in headers]] + [["" if v is None else str(v) for v in row] for row in rows]
@@ -28,7 +30,7 @@ def usd(amount: float) -> str:
 
 
 def hours(value: float) -> str:
-    """The seed's "about 6.0h"; two decimals below an hour so a short job isn't 0.1h."""
+    """Hours as "about 6.0h"; two decimals below an hour so a short job isn't 0.1h."""
     return f"{value:.1f}h" if value >= 1 else f"{value:.2f}h"
 
 
@@ -37,12 +39,7 @@ def when(moment: datetime | None) -> str:
 
 
 def size(n: int) -> str:
-    value = float(n)
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if value < 1024 or unit == "GiB":
-            return f"{int(value)} B" if unit == "B" else f"{value:.1f} {unit}"
-        value /= 1024
-    return str(n)
+    return format_bytes(n)
 
 
 def dump(raw: Any) -> None:

@@ -1,4 +1,4 @@
-"""``Client``: the REST API (SPEC section 3) over HTTP, with typed results and typed errors.
+"""``Client``: the REST API over HTTP, with typed results and typed errors.
 
 Calls that are safe to repeat are retried with exponential backoff on connection errors, 5xx and
 429 (after the server's Retry-After): reads, estimates (which never hold or charge) and creates,

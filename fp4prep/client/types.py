@@ -1,4 +1,4 @@
-"""What the API returns, as typed objects (the fields SPEC section 3 and the seed's examples read).
+"""What the API returns, as typed objects (the fields the API documents).
 
 Every object keeps the JSON it came from in ``raw`` (what ``--json`` prints); fields the server adds
 later are ignored rather than refused.
@@ -13,8 +13,9 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any, Generic, TypeVar
 
+from fp4prep.statuses import TERMINAL
+
 T = TypeVar("T")
-TERMINAL = frozenset({"completed", "cancelled", "error", "user_error"})
 
 
 def parse(cls: type[T], data: Any) -> T:
@@ -57,6 +58,8 @@ class Project:
     balance_usd: float = 0.0
     held_usd: float = 0.0
     available_usd: float = 0.0
+    # The server's upload limits: calibration_file_bytes, adapter_archive_bytes.
+    limits: dict[str, int] = field(default_factory=dict)
     raw: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
 
 

@@ -1,4 +1,4 @@
-"""Calibration files: JSONL conversations in the chat format of SFT data (SPEC section 4).
+"""Calibration files: JSONL conversations in the chat format of SFT data.
 
 ``validate`` streams a file and reports every bad line (up to a cap) with its number and what is
 wrong, so the service can store the report and the pipeline can refuse what the report refuses.

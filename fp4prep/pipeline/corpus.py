@@ -6,7 +6,6 @@ is held back, never calibrated on, for the parity check against the BF16 model.
 
 from __future__ import annotations
 
-import hashlib
 import random
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -14,6 +13,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+from fp4prep.hashing import file_sha256
 
 from . import conversations, general_text
 from .config import CorpusStats
@@ -36,14 +37,6 @@ class Corpus:
     parity: list[ParityExample]
     stats: CorpusStats
     held_out_lines: list[int] = field(default_factory=list)
-
-
-def file_sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
 
 
 def _template_kwargs(conversation: conversations.Conversation) -> dict[str, Any]:
@@ -153,19 +146,25 @@ def build(
             if i % 16 == 0:
                 report(0.5 * i / max(1, len(kept)))
         user_tokens = _take(rendered, half)
-        if len(user_tokens) < max(user_token_minimum, sequence_length):
-            needed = max(user_token_minimum, sequence_length)
-            raise UserError(
-                f"the calibration file supplies {len(user_tokens):,} tokens after the chat template "
-                f"(held-back conversations excluded), and at least {needed:,} are needed to fill "
-                "its half of the calibration corpus: add more conversations and retry"
-            )
+        if len(user_tokens) < half:
+            # A file smaller than its half of the corpus: the minimum counts every token the user
+            # supplied, the held-back conversations too, and the general half shrinks to match.
+            held_tokens = sum(len(render(tokenizer, convs[i])) for i in held)
+            supplied = len(user_tokens) + held_tokens
+            needed = max(user_token_minimum, held_tokens + sequence_length)
+            if supplied < needed or len(user_tokens) < sequence_length:
+                raise UserError(
+                    f"the calibration file supplies {supplied:,} tokens after the chat template, and at least "
+                    f"{needed:,} are needed (one calibration sequence is {sequence_length:,} tokens, and "
+                    f"{len(held):,} conversations are held back for the parity check): add more conversations and retry"
+                )
         for index in held[:parity_prompts]:
             ids = render(tokenizer, convs[index])[:sequence_length]
             prompt = render_prompt(tokenizer, convs[index])[: sequence_length // 2]
             parity.append(ParityExample(ids, prompt, answer_spans(tokenizer, convs[index], ids)))
         held_lines = [convs[i].line for i in held]
-    general_budget = half if calibration_file is not None else total_tokens
+    # Half and half: as much general text as the user's conversations gave.
+    general_budget = len(user_tokens) if calibration_file is not None else total_tokens
     docs = general_text.documents(general_text_file)
     general_stream = (list(tokenizer(d, add_special_tokens=False)["input_ids"]) for d in docs)
     general_tokens = _take(general_stream, general_budget + parity_prompts * sequence_length)

@@ -10,6 +10,8 @@ from typing import Any
 
 import torch
 
+from fp4prep.text import format_bytes
+
 from . import streaming
 from .device import Compute, available_memory
 from .errors import PipelineError
@@ -19,10 +21,6 @@ from .weights import MergedWeights
 GIB = 1 << 30
 # Stored tensors that stay BF16 whatever the recipe (routers, norms, embeddings, the output head).
 _UNQUANTIZED = ("gate.weight", "router", "norm", "embed", "lm_head")
-
-
-def _gib(n: float) -> str:
-    return f"{n / GIB:.2f} GiB"
 
 
 def check_memory(
@@ -41,10 +39,10 @@ def check_memory(
     if need > free:
         raise PipelineError(
             f"this model can't be prepared on {compute.device} even one decoder layer at a time: "
-            f"it needs about {_gib(need)} there (its largest layer is {_gib(largest)} in "
+            f"it needs about {format_bytes(need)} there (its largest layer is {format_bytes(largest)} in "
             f"{str(compute.dtype).removeprefix('torch.')}, held twice while it is quantized; the "
-            f"embeddings {_gib(resident)}; calibration activations {_gib(activations)}), and "
-            f"{_gib(free)} is free. Run it on a device with more memory"
+            f"embeddings {format_bytes(resident)}; calibration activations {format_bytes(activations)}), and "
+            f"{format_bytes(free)} is free. Run it on a device with more memory"
         )
     if compute.cuda:
         host_free = available_memory(torch.device("cpu"))
@@ -52,7 +50,7 @@ def check_memory(
         if host_need > host_free:
             raise PipelineError(
                 f"this machine's memory can't stage one decoder layer for {compute.device}: that "
-                f"needs about {_gib(host_need)} and {_gib(host_free)} is free"
+                f"needs about {format_bytes(host_need)} and {format_bytes(host_free)} is free"
             )
 
 
@@ -89,8 +87,8 @@ def check_disk(
         free = shutil.disk_usage(existing).free
         if need > free:
             raise PipelineError(
-                f"the disk under {directory} has {_gib(free)} free, and this checkpoint needs about "
-                f"{_gib(need)} there (the {recipe.name} checkpoint is about {_gib(output)}): "
+                f"the disk under {directory} has {format_bytes(free)} free, and this checkpoint needs about "
+                f"{format_bytes(need)} there (the {recipe.name} checkpoint is about {format_bytes(output)}): "
                 "free some space or choose another directory"
             )
     return output

@@ -1,4 +1,4 @@
-"""The supported-base catalogue, its deployment profiles and the public base models (SPEC section 1)."""
+"""The supported-base catalogue, its deployment profiles and the public base models."""
 
 from django.db import migrations
 

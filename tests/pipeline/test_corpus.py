@@ -93,6 +93,26 @@ def test_too_few_tokens_is_a_user_error_that_says_how_many(llama_base: Path, tmp
     assert not (tmp_path / "out").exists()
 
 
+def test_the_minimum_counts_every_token_supplied_held_back_conversations_included(tokenizer_dir: Path, tmp_path: Path) -> None:
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    path = write_conversations(tmp_path / "c.jsonl", 40)
+    supplied = sum(len(corpus.render(tokenizer, c)) for c in conversations.read(path))
+
+    def build(minimum: int) -> corpus.Corpus:
+        return corpus.build(
+            tokenizer, calibration_file=path, general_text_file=None, total_tokens=2 * minimum, sequence_length=64,
+            user_token_minimum=minimum, holdout_fraction=0.1, parity_prompts=4, seed=0,
+        )
+
+    # A file of exactly the minimum passes, though a tenth of it is held back for parity: the
+    # user's half is what is left, and the general half matches it.
+    built = build(supplied)
+    assert built.stats.held_out_conversations == 4
+    assert 0 < built.stats.user_tokens < supplied and built.stats.user_tokens == built.stats.general_tokens
+    with pytest.raises(UserError, match=rf"supplies {supplied:,} tokens .* at least {supplied + 1:,} are needed"):
+        build(supplied + 1)
+
+
 def test_half_the_corpus_is_the_users_and_held_back_conversations_are_never_calibrated_on(
     tokenizer_dir: Path, tmp_path: Path
 ) -> None:

@@ -27,6 +27,7 @@ from django.conf import settings
 from django.db import connection
 from django.test import override_settings
 
+from fp4prep.statuses import TERMINAL
 from tests.pipeline.conftest import save_adapter, save_tiny_base, write_conversations
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -45,7 +46,6 @@ TINY_RECIPE = {
         "reload_max_logit_diff": 1e-3,
     },
 }
-TERMINAL = {"completed", "cancelled", "error", "user_error"}
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -159,7 +159,7 @@ class Api:
     def cancel(self, job_id: str) -> requests.Response:
         return self.post(f"/v1/post-training/prepare-for-fp4-inference/{job_id}/cancel")
 
-    def wait(self, job_id: str, statuses: set[str] = TERMINAL, timeout: float = 300) -> dict[str, Any]:
+    def wait(self, job_id: str, statuses: frozenset[str] | set[str] = TERMINAL, timeout: float = 300) -> dict[str, Any]:
         deadline = time.monotonic() + timeout
         while True:
             job = self.job(job_id)

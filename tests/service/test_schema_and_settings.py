@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 import requests
+from django.conf import settings
 from django.core.exceptions import ImproperlyConfigured
 from django.urls import URLPattern, URLResolver, get_resolver
 
@@ -33,7 +34,7 @@ def api_paths() -> set[str]:
             route = prefix + str(p.pattern)
             if isinstance(p, URLResolver):
                 walk(p.url_patterns, route)
-            elif isinstance(p, URLPattern) and route.startswith("v1/") and route != "v1/schema":
+            elif isinstance(p, URLPattern) and route.startswith("v1/") and route not in ("v1/schema", "v1/docs"):
                 found.add("/" + route.replace("<str:", "{").replace(">", "}"))
 
     walk(get_resolver().url_patterns, "")
@@ -167,7 +168,10 @@ def test_createproject_prints_the_project_and_a_working_key(transactional_db: An
     created = json.loads(out.getvalue())
     assert created["project_id"].startswith("proj_") and created["api_key"].startswith("fp4_")
     me = requests.get(live_server.url + "/v1/whoami", headers={"Authorization": f"Bearer {created['api_key']}"}, timeout=30).json()
-    assert me == {"id": created["project_id"], "name": "Acme", "blocked": False, "balance_usd": 25.5, "held_usd": 0.0, "available_usd": 25.5}
+    assert me == {
+        "id": created["project_id"], "name": "Acme", "blocked": False, "balance_usd": 25.5, "held_usd": 0.0, "available_usd": 25.5,
+        "limits": {"calibration_file_bytes": settings.CALIBRATION_MAX_BYTES, "adapter_archive_bytes": settings.ADAPTER_MAX_BYTES},
+    }
 
 
 def test_createproject_refuses_a_bad_amount(transactional_db: Any) -> None:

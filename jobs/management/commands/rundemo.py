@@ -30,7 +30,6 @@ from registry.models import ApiKey, Project
 from registry.services import create_project
 
 DEMO_PROJECT = "Demo project"
-TERMINAL = {"completed", "cancelled", "error", "user_error"}
 
 
 class Command(BaseCommand):
@@ -131,61 +130,52 @@ class Command(BaseCommand):
         raise CommandError("the web server did not start within 60 s")
 
     def _run_job(self, url: str, key: str, assets: Any) -> str:
-        api = requests.Session()
-        api.headers["Authorization"] = f"Bearer {key}"
-
-        def check(response: requests.Response) -> Any:
-            if response.status_code >= 400:
-                raise CommandError(f"{response.request.method} {response.url}: {response.status_code} {response.text}")
-            return response.json()
-
+        """The demo job through the API, as a script would drive it: the Python client, and the
+        CLI's watch for the events."""
+        from fp4prep.cli.training import watch
+        from fp4prep.client import Client
         from fp4prep.demo import BASE_ID
 
-        model = check(api.post(f"{url}/v1/models", files={"file": ("adapter.tar.gz", _tar_gz(assets.adapter_dir))},
-                               data={"base_model": BASE_ID, "name": "demo sentiment adapter"}))
-        self.say(f"Registered adapter {model['id']} revision {model['latest_revision']['id']}")
-        with Path(assets.calibration_file).open("rb") as f:
-            upload = check(api.post(f"{url}/v1/files", files={"file": ("calibration.jsonl", f)}, data={"purpose": "calibration"}))
-        self.say(f"Uploaded calibration file {upload['id']}: {upload['status']}, {upload['report']['conversations']} conversations")
-        inputs = {"adapter_object_id": model["id"], "calibration_file_id": upload["id"]}
-        estimate = check(api.post(f"{url}/v1/post-training/prepare-for-fp4-inference/estimate", json={"inputs": inputs}))
+        client = Client(api_key=key, base_url=url)
+        model = client.models.register_adapter(_tar_gz(assets.adapter_dir), base_model=BASE_ID, name="demo sentiment adapter")
+        assert model.latest_revision is not None
+        self.say(f"Registered adapter {model.id} revision {model.latest_revision.id}")
+        upload = client.files.upload(assets.calibration_file)
+        self.say(f"Uploaded calibration file {upload.id}: {upload.status}, {upload.report.conversations} conversations")
+        inputs = {"adapter_object_id": model.id, "calibration_file_id": upload.id}
+        jobs = client.post_training.prepare_for_fp4_inference
+        estimate = jobs.estimate_cost(inputs)
         self.say(
-            f"The estimated price of this job is ${estimate['price_usd']:.2f} and it is expected to run for about "
-            f"{estimate['time_hours']:.2f}h (excluding queue time)."
+            f"The estimated price of this job is ${estimate.price_usd:.2f} and it is expected to run for about "
+            f"{estimate.time_hours:.2f}h (excluding queue time)."
         )
-        job = check(api.post(f"{url}/v1/post-training/prepare-for-fp4-inference", json={"inputs": inputs}))
-        self.say(f"Created job {job['id']} ({job['status']})")
-        seen = 0
-        while True:
-            job = check(api.get(f"{url}/v1/post-training/prepare-for-fp4-inference/{job['id']}"))
-            events = check(api.get(f"{url}/v1/post-training/prepare-for-fp4-inference/{job['id']}/events",
-                                   params={"after": seen} if seen else None))["data"]
-            for event in events:
-                self.say(f"  {event['created_at'][11:19]}  {event['type']:<19} {event['message']}")
-                seen = event["id"]
-            if job["status"] in TERMINAL:
-                break
-            time.sleep(1)
-        if job["status"] == "completed":
-            results, report = job["results"], job["report"]
+        job = jobs.create(inputs)
+        self.say(f"Created job {job.id} ({job.status})")
+        watch(client, job.id, interval=1.0)
+        job = jobs.retrieve(job.id)
+        if job.results is not None and job.report:
+            results, report = job.results, job.report
             parity, task = report["parity"], report.get("task") or {}
             self.say(
-                f"\nPrepared model {results['api_model_object_id']} revision {results['api_model_revision_id']}\n"
+                f"\nPrepared model {results.api_model_object_id} revision {results.api_model_revision_id}\n"
                 f"  on answers: top-1 {parity['answer_top1']:.3f}, KL {parity['answer_kl']:.3f}; top-1 on the BF16 "
                 f"model's continuations {parity['continuation_top1']:.3f}; identical greedy {parity['identical_greedy']:.2f}"
                 + (f"\n  adapter task: {task['bf16_success']:.0%} (BF16 merged) -> {task['quantized_success']:.0%} (NVFP4)" if task else "")
                 + f"\n  download: curl -H 'Authorization: Bearer {key}' -o model.tar "
-                f"{url}/v1/models/{results['api_model_object_id']}/revisions/{results['api_model_revision_id']}/download"
+                f"{url}/v1/models/{results.api_model_object_id}/revisions/{results.api_model_revision_id}/download"
             )
-        return str(job["status"])
+        return job.status
 
 
 def _interrupt(signum: int, frame: Any) -> None:
     raise KeyboardInterrupt
 
 
-def _tar_gz(directory: Path) -> bytes:
+def _tar_gz(directory: Path) -> io.BytesIO:
+    """The adapter directory as the archive a user uploads (named, so the server knows its format)."""
     buffer = io.BytesIO()
     with tarfile.open(fileobj=buffer, mode="w:gz") as tar:
         tar.add(directory, arcname="adapter")
-    return buffer.getvalue()
+    buffer.seek(0)
+    buffer.name = "adapter.tar.gz"
+    return buffer

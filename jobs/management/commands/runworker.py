@@ -20,7 +20,7 @@ from django.core.management.base import BaseCommand, CommandError, CommandParser
 from django.db import connections
 from django.utils import timezone
 
-from jobs import services
+from jobs import scheduler
 from jobs.models import Worker
 
 logger = logging.getLogger("jobs.worker")
@@ -57,7 +57,7 @@ class Command(BaseCommand):
             while cluster.sentinel is not None and cluster.sentinel.is_alive():
                 try:
                     self._beat(name)
-                    services.dispatch()
+                    scheduler.dispatch()
                 except Exception:  # the database may be away for a moment; keep the cluster up
                     logger.exception("heartbeat failed")
                 finally:

@@ -7,6 +7,7 @@ from decimal import Decimal
 from pathlib import Path
 from typing import Any
 
+from fp4prep.text import format_bytes
 from jobs.models import Job
 from registry.models import Revision
 
@@ -65,7 +66,7 @@ def test_create_without_a_terminal_starts_at_once_and_watch_follows_it_to_comple
     lines = result.stdout.splitlines()
     assert lines[0].startswith("Uploaded support-chats.jsonl as file-") and lines[0].endswith("(120 conversations).")
     # queued at once when the worker's slot is free
-    assert lines[1] in (f"Created job {job.id} ({status}). Follow it with: fp4prep training fp4 get {job.id} --watch" for status in ("pending", "queued"))
+    assert lines[1] == f"Created job {job.id} (pending). Follow it with: fp4prep training fp4 get {job.id} --watch"
     statuses = [line for line in lines if line.startswith("Status: ")]
     assert statuses[-1] == "Status: completed" and "Status: running" in statuses
     for message in ("Merging the adapter", "Calibrating on the corpus", "Quantizing", "Exporting", "Validating", "Job completed"):
@@ -158,3 +159,16 @@ def test_every_api_error_reaches_the_user_as_one_clear_line(cli: Cli, people: An
                    "The estimated price $0.10 exceeds the project's available credit $0.05 "
                    "(balance $0.05, $0.00 held by other jobs). Add credits and retry.")
     assert not Job.objects.exists()
+
+
+def test_a_calibration_file_over_the_servers_limit_is_refused_before_it_is_sent(
+    cli: Cli, people: Any, adapter: dict[str, Any], calibration_bytes: bytes, tmp_path: Path, settings: Any
+) -> None:
+    settings.CALIBRATION_MAX_BYTES = 1024  # the live server reads the same settings
+    big = tmp_path / "big.jsonl"
+    big.write_bytes(calibration_bytes)
+    refusal = f"--calibration-file {big}: {format_bytes(len(calibration_bytes))} is over the server's limit of 1 KiB for a calibration file; use fewer conversations"
+    one_line_error(cli("training", "fp4", "estimate", adapter["id"], "-c", str(big)), 2, refusal)
+    one_line_error(cli("training", "fp4", "create", adapter["id"], "-c", str(big), "-y"), 2, refusal)
+    one_line_error(cli("files", "upload", str(big)), 2, refusal)
+    assert not people.project_a.files.exists() and not Job.objects.exists()

@@ -1,4 +1,4 @@
-"""Estimate and create over HTTP: every row of SPEC section 3's error table, holds and the boundary."""
+"""Estimate and create over HTTP: every documented error, holds and the boundary."""
 
 from __future__ import annotations
 

@@ -127,6 +127,7 @@ def test_cancelling_a_queued_job_ends_it_before_any_worker_runs_it(
     # A worker announced one free slot; its cluster hasn't taken the task from the queue yet.
     Worker.objects.create(name="announced", kind="cpu", slots=1, last_seen=timezone.now())
     job = alice.create(adapter_object_id=adapter["id"]).json()
+    assert job["status"] == "pending"  # a new job starts pending, even when a slot takes it at once
     assert alice.job(job["id"])["status"] == "queued"
     assert alice.cancel(job["id"]).json()["status"] == "cancel_requested"
     assert alice.wait(job["id"], timeout=10)["status"] == "cancelled"
@@ -322,7 +323,7 @@ def test_failures_on_our_side_tell_the_customer_without_internal_paths_or_except
 
 
 def test_paths_are_cut_from_messages_shown_to_customers() -> None:
-    from jobs.tasks import public
+    from jobs.worker import public
 
     assert public("calibration file /srv/fp4prep/artifacts/files/file-1.jsonl does not exist") == (
         "calibration file file-1.jsonl does not exist"

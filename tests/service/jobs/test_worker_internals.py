@@ -13,7 +13,7 @@ from django.db import connection
 from django.test import override_settings
 from django.utils import timezone
 
-from jobs import services, tasks
+from jobs import services, worker
 from jobs.models import Job
 from registry.models import Model, Revision
 from registry.services import create_project
@@ -38,7 +38,7 @@ def beat(job: Job) -> Any:
 
 def test_the_heartbeat_goes_on_after_database_errors(running_job: Job, caplog: pytest.LogCaptureFixture) -> None:
     with override_settings(HEARTBEAT_INTERVAL=0.05):
-        heartbeat = tasks.Heartbeat(running_job.id, "w/1")
+        heartbeat = worker.Heartbeat(running_job.id, "w/1")
         heartbeat.start()
         try:
             first = beat(running_job)
@@ -72,7 +72,7 @@ def test_registration_hashes_the_checkpoint_before_it_takes_any_lock(running_job
         return real(path)
 
     monkeypatch.setattr(artifacts, "file_sha256", observed)
-    assert tasks.register(running_job, output, {"parity": {}}) == "completed"
+    assert worker.register(running_job, output, {"parity": {}}) == "completed"
     assert hashed_inside_a_transaction == [False, False]
     job = Job.objects.get(pk=running_job.pk)
     assert job.status == "completed" and job.result_revision is not None
@@ -85,6 +85,6 @@ def test_a_job_cancelled_before_registration_registers_nothing(running_job: Job,
     output.mkdir()
     (output / "config.json").write_text("{}")
     Job.objects.filter(pk=running_job.pk).update(status=Job.Status.CANCEL_REQUESTED)
-    assert tasks.register(running_job, output, {}) == "cancelled"
+    assert worker.register(running_job, output, {}) == "cancelled"
     assert Job.objects.get(pk=running_job.pk).status == "cancelled"
     assert not Model.objects.filter(kind="prepared").exists() and output.is_dir()

@@ -168,3 +168,20 @@ def test_a_team_prepares_watches_downloads_and_cancels_and_an_outsider_sees_noth
             assert response.status == 404
             assert "Not found" in charlie.locator("h1, strong").first.inner_text()
     shoot(charlie, "not-found")
+
+
+def test_the_footer_links_api_docs_that_render_from_this_server_alone(
+    open_page: Any, live_server: Any, people: Any, shoot: Shooter
+) -> None:
+    alice = open_page("alice")
+    elsewhere: list[str] = []
+    alice.on("request", lambda request: None if request.url.startswith(live_server.url) else elsewhere.append(request.url))
+    alice.get_by_role("link", name="API docs").click()
+    alice.wait_for_url(f"{live_server.url}/v1/docs")
+    alice.locator(".opblock-summary-path").first.wait_for()  # Swagger UI ran and read the schema
+    paths = alice.locator(".opblock-summary-path").all_inner_texts()
+    assert "/v1/post-training/prepare-for-fp4-inference" in [p.replace("\u200b", "") for p in paths]
+    assert elsewhere == [], "the docs page loaded something from outside this server"
+    shoot(alice, "api-docs")
+    schema = alice.request.get(f"{live_server.url}/v1/schema")
+    assert schema.ok and b"openapi:" in schema.body()

@@ -9,6 +9,7 @@ from django.core.management.base import BaseCommand, CommandError, CommandParser
 
 from fp4prep.pipeline.adapter_files import base_weight_shapes
 from fp4prep.pipeline.errors import UserError
+from jobs.worker import weights_dir
 from registry.models import SupportedBase
 
 
@@ -27,7 +28,7 @@ class Command(BaseCommand):
         if base is None:
             known = ", ".join(SupportedBase.objects.values_list("slug", flat=True))
             raise CommandError(f"no catalogue entry {options['slug']!r}; the entries are {known}")
-        directory = options["weights"] or base.weights_dir()
+        directory = options["weights"] or weights_dir(base)
         try:
             shapes = base_weight_shapes(Path(directory))
         except (UserError, OSError, ValueError) as exc:
