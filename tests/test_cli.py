@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from .pipeline.conftest import save_adapter, save_tiny_base, write_conversations
+from .tiny import save_adapter, save_tiny_base, write_conversations
 
 
 def fp4prep(

@@ -4,6 +4,7 @@ module grows past 400 lines without saying why at its top."""
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -117,3 +118,18 @@ def test_no_module_is_over_400_lines_without_a_reason_at_its_top() -> None:
         if len(lines) > MAX_LINES and not any("longer than 400 lines" in line for line in lines[:15]):
             long.append(f"{path.relative_to(ROOT)}: {len(lines)} lines")
     assert long == []
+
+
+def test_the_readme_layout_names_every_module() -> None:
+    readme = (ROOT / "README.md").read_text()
+    section = readme.split("## How the code is laid out", 1)[1].split("\n## ", 1)[0]
+    # {a,b}.py in the tree names a.py and b.py
+    named = set(re.findall(r"(\w+)\.py", section))
+    for group in re.findall(r"\{([\w,]+)\}\.py", section):
+        named.update(group.split(","))
+    missing = [
+        str(path.relative_to(ROOT))
+        for path in modules().values()
+        if path.name not in ("__init__.py", "apps.py", "__main__.py") and path.stem not in named
+    ]
+    assert missing == []

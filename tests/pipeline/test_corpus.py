@@ -9,8 +9,8 @@ import pytest
 from transformers import AutoTokenizer
 
 from fp4prep.pipeline import UserError, conversations, corpus, general_text
+from tests.tiny import write_conversations
 
-from .conftest import write_conversations
 from .helpers import run_tiny
 
 GOOD = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}

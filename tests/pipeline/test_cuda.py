@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from fp4prep.pipeline import Cancelled, device
+from tests.tiny import save_adapter
 
-from .conftest import save_adapter
 from .helpers import run_tiny
 from .test_streaming import cancel_at, checkpoint_bytes
 

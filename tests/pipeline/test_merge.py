@@ -13,8 +13,7 @@ from safetensors.torch import load_file, save_file
 
 from fp4prep.pipeline import UserError, merge
 from fp4prep.pipeline.checkpoint import TensorSource
-
-from .conftest import save_adapter, save_tiny_base
+from tests.tiny import save_adapter, save_tiny_base
 
 TARGETS = ["q_proj", "v_proj", "down_proj"]
 

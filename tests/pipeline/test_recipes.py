@@ -14,8 +14,8 @@ from safetensors.torch import load_file
 
 from fp4prep.pipeline import PipelineError
 from fp4prep.pipeline.recipes import RECIPES, Recipe
+from tests.tiny import save_adapter
 
-from .conftest import save_adapter
 from .helpers import run_tiny
 
 AWQ = {"algorithm": {"method": "awq_lite", "alpha_step": 0.25}, "mutates_weights": True, "folds_pre_quant_scale": True}
@@ -59,8 +59,8 @@ def test_an_awq_run_stopped_midway_resumes_to_the_same_bytes(tmp_path: Path, tok
     from transformers import AutoModelForCausalLM
 
     from fp4prep.pipeline import Cancelled
+    from tests.tiny import tiny_config
 
-    from .conftest import tiny_config
     from .test_streaming import cancel_at, checkpoint_bytes
 
     config = tiny_config("llama")

@@ -10,8 +10,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from fp4prep.pipeline import PipelineError, fakequant
+from tests.tiny import save_adapter
 
-from .conftest import save_adapter
 from .helpers import run_tiny
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]

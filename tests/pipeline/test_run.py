@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+import importlib.metadata
 import json
 from pathlib import Path
 
@@ -10,8 +12,8 @@ import torch
 from safetensors import safe_open
 
 from fp4prep.pipeline import STAGES, Cancelled, PipelineError, UserError
+from tests.tiny import save_adapter
 
-from .conftest import save_adapter
 from .helpers import run_tiny
 
 FORMATS = {
@@ -72,17 +74,16 @@ def test_it_prepares_a_checkpoint_engines_load_as_is(
     assert result.corpus.user_tokens == 1024 and result.corpus.general_tokens == 1024
     assert result.corpus.held_out_conversations == 12
     parity = result.parity
-    # Tiny random models: only the bookkeeping can be checked here (the demo's figures are the
-    # real measurement): every held-back conversation was compared on its answers and continuations.
-    assert parity.prompts == 3 and parity.answer_tokens >= 3 * 2 and 0 < parity.continuation_tokens <= 3 * 6
-    assert parity.tokens > parity.answer_tokens
+    # The metrics themselves are checked in test_parity_metrics and on the demo (test_parity_gate);
+    # here: every held-back conversation was compared, on its answers inside the whole of it.
+    assert parity.prompts == 3 and 0 < parity.answer_tokens < parity.tokens
 
     lineage = json.loads((out / "fp4prep.json").read_text())
     assert lineage["calibration_sha256"] == result.corpus.calibration_sha256
     assert len(lineage["calibration_sha256"]) == 64
     assert lineage["recipe"]["name"] == quantization
-    assert lineage["tools"]["nvidia-modelopt"] == "0.47.0"
-    assert lineage["metrics"]["parity"]["prompts"] == 3
+    assert lineage["tools"]["nvidia-modelopt"] == importlib.metadata.version("nvidia-modelopt")
+    assert lineage["metrics"]["parity"] == dataclasses.asdict(parity)  # the record is the result
     assert not any(p.name.startswith(".fp4prep-") for p in tmp_path.iterdir())
 
 

@@ -15,9 +15,9 @@ import torch
 
 from fp4prep.pipeline import Cancelled, PipelineError, device
 from fp4prep.pipeline.checkpoint import TensorSource
+from tests.tiny import save_adapter, tiny_config
 
 from .bases import random_llama, sparse_llama
-from .conftest import save_adapter, tiny_config
 from .helpers import TINY, run_tiny
 
 RUN_IN_CHILD = """

@@ -19,7 +19,7 @@ Q = "model.layers.0.self_attn.q_proj"
 
 @pytest.fixture(scope="module")
 def nvfp4_checkpoint(tmp_path_factory: pytest.TempPathFactory, tokenizer_dir: Path) -> Path:
-    from .conftest import save_tiny_base
+    from tests.tiny import save_tiny_base
 
     root = tmp_path_factory.mktemp("structure")
     run_tiny(save_tiny_base(root / "base", "llama", tokenizer_dir), root / "out")

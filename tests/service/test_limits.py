@@ -9,7 +9,7 @@ import pytest
 from django.contrib.auth.models import User
 from django.test import Client, override_settings
 
-from .conftest import People, error_of
+from .helpers import People, error_of
 
 JOBS = "/v1/post-training/prepare-for-fp4-inference"
 

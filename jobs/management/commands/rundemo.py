@@ -73,7 +73,7 @@ class Command(BaseCommand):
                 f"  Dashboard  {url}/   {admin_note}\n"
                 f"  Demo job   {url}/projects/{project.id}/\n"
                 f"  API        {url}/v1/   with  Authorization: Bearer {key}\n"
-                f"  OpenAPI    {url}/v1/schema\n"
+                f"  API docs   {url}/v1/docs   (schema: {url}/v1/schema)\n"
                 f"  Admin      {url}/admin/   (the same user)\n"
                 f"  Logs       {log_dir}/server.log, worker.log"
             )

@@ -11,7 +11,7 @@ from fp4prep.text import format_bytes
 from jobs.models import Job
 from registry.models import Revision
 
-from .conftest import Cli
+from .helpers import Cli
 
 ESTIMATE = "The estimated price of this job is $0.10 and it is expected to run for about 0.05h (excluding queue time).\n"
 BAD = b'{"messages": [{"role": "user", "content": "hi"}]}\nnot json\n'

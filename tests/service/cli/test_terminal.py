@@ -8,7 +8,7 @@ import pexpect
 
 from jobs.models import Job
 
-from .conftest import Cli
+from .helpers import Cli
 
 
 def test_create_asks_to_confirm_in_a_terminal_and_creates_only_on_yes(terminal: Any, adapter: dict[str, Any]) -> None:

@@ -13,7 +13,7 @@ from django.db import connection
 
 from registry.models import CreditTransaction, Project
 
-from ..conftest import People
+from ..helpers import People
 
 
 def test_concurrent_creates_never_overspend_the_balance(people: People, adapter: dict[str, Any]) -> None:

@@ -9,7 +9,7 @@ import pytest
 
 from registry.models import Model, Project
 
-from ..conftest import People, error_of
+from ..helpers import People, error_of
 
 JOBS = "/v1/post-training/prepare-for-fp4-inference"
 

@@ -13,7 +13,6 @@ import io
 import os
 import subprocess
 import tarfile
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -22,11 +21,10 @@ import pytest
 from django.conf import settings
 from django.db import connection
 
-from jobs.models import Job
+from jobs.models import Job, Worker
 from registry.models import Model
 
-from ..conftest import People
-from ..helpers import ledger_of, wait_for
+from ..helpers import People, ledger_of, wait_for
 
 
 def uses_postgres() -> bool:
@@ -41,7 +39,7 @@ def deep_adapter(people: People, catalogue: Any, tmp_path: Path, tokenizer_dir: 
     """An adapter on a base deep enough that calibrating and exporting take seconds each."""
     from fp4prep.pipeline.adapter_files import base_weight_shapes
     from tests.pipeline.bases import random_llama
-    from tests.pipeline.conftest import save_adapter
+    from tests.tiny import save_adapter
 
     deep = random_llama(tmp_path / "deep", tokenizer_dir, layers=layers, hidden=256, intermediate=1024)
     catalogue.weights_location = str(deep)
@@ -141,7 +139,9 @@ def test_a_job_goes_on_through_a_redis_restart_and_one_created_meanwhile_waits_a
         assert created.status_code == 201, created.text
         second = created.json()
         assert second["status"] == "pending"
-        time.sleep(2)
+        # Two worker heartbeats: a whole dispatch ran between them, and the job still waits.
+        first_beat = Worker.objects.get().last_seen
+        wait_for(lambda: Worker.objects.get().last_seen > first_beat, timeout=60, what="a second heartbeat")
         assert Job.objects.get(pk=second["id"]).status == "pending"
     people.alice.wait(first["id"], timeout=300)
     completed_once(people, first["id"])

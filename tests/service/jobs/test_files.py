@@ -9,7 +9,7 @@ from django.conf import settings
 
 from jobs.models import CalibrationFile
 
-from ..conftest import People, error_of
+from ..helpers import People, error_of
 
 GOOD = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}
 

@@ -11,8 +11,7 @@ from typing import Any
 
 from registry.models import Model
 
-from ..conftest import People, error_of
-from ..helpers import ledger_of, wait_for
+from ..helpers import People, error_of, ledger_of, wait_for
 
 
 def statuses(events: list[dict[str, Any]]) -> list[str]:
@@ -192,7 +191,7 @@ def test_a_requeued_job_continues_from_the_last_layer_its_dead_worker_finished(
     from jobs import services
     from jobs.models import Job
     from tests.pipeline.bases import random_llama
-    from tests.pipeline.conftest import save_adapter
+    from tests.tiny import save_adapter
 
     # Deep enough that calibration takes seconds, so the worker dies in the middle of it.
     deep = random_llama(tmp_path / "deep", tokenizer_dir, layers=24, hidden=256, intermediate=1024)
@@ -280,9 +279,12 @@ def test_a_gpu_job_on_a_worker_without_the_weights_ends_error(
     adapter = alice.register_adapter(tiny_adapter_archive, base_model="zai-org/GLM-5.3-FP8").json()
     job = alice.create(adapter_object_id=adapter["id"]).json()
     start_worker("cpu")  # the wrong kind: the job stays pending
-    import time
+    from jobs.models import Worker
 
-    time.sleep(2)
+    # Two heartbeats of the CPU worker: a whole dispatch ran between them, and left the job alone.
+    wait_for(lambda: Worker.objects.filter(kind="cpu").exists(), what="the CPU worker to announce itself")
+    first = Worker.objects.get(kind="cpu").last_seen
+    wait_for(lambda: Worker.objects.get(kind="cpu").last_seen > first, what="a second heartbeat")
     assert alice.job(job["id"])["status"] == "pending"
     start_worker("gpu")
     done = alice.wait(job["id"])

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import time
 from datetime import timedelta
 from decimal import Decimal
 from pathlib import Path
@@ -46,7 +45,7 @@ def test_the_heartbeat_goes_on_after_database_errors(running_job: Job, caplog: p
             # The table goes away under the heartbeat's connection: every beat fails for a while.
             with connection.cursor() as cursor:
                 cursor.execute("ALTER TABLE jobs_job RENAME TO jobs_job_away")
-            time.sleep(0.5)
+            wait_for(lambda: "heartbeat not written" in caplog.text, timeout=10, interval=0.05)
             with connection.cursor() as cursor:
                 cursor.execute("ALTER TABLE jobs_job_away RENAME TO jobs_job")
             after = timezone.now()

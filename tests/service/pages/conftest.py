@@ -1,63 +1,28 @@
-"""Dashboard fixtures: signed-in Django test clients for alice (owner), bob (teammate) and charlie
-(outsider), a project with rows to list, and a headless Chromium for the browser tests."""
+"""Dashboard fixtures: a project with rows to list, and a headless Chromium for the browser tests
+(the people, with their signed-in page clients, are the service tests' ``people``)."""
 
 from __future__ import annotations
 
-import os
 import shutil
 from collections.abc import Iterator
-from dataclasses import dataclass
-from decimal import Decimal
 from pathlib import Path
 from typing import Any
 
 import pytest
-from django.test import Client
 
 from jobs import services
-from jobs.models import CalibrationFile, Job
-from registry.models import Model, Project, Revision
-from registry.services import create_project
+from jobs.models import CalibrationFile
+from registry.models import Model, Revision
 
-ROOT = Path(__file__).resolve().parents[3]
-# The screenshots CI keeps (README, "Dashboard"): every page, desktop and phone width.
-SCREENSHOTS = Path(os.environ.get("FP4PREP_SCREENSHOTS", ROOT / "artifacts" / "screenshots"))
-CHROMIUM = os.environ.get("FP4PREP_CHROMIUM", "/usr/bin/chromium")
-VIEWPORTS = {"desktop": {"width": 1280, "height": 800}, "phone": {"width": 390, "height": 844}}
-
-
-@dataclass
-class Team:
-    alice: Client
-    bob: Client
-    charlie: Client
-    project_a: Project
-    project_c: Project
-    users: dict[str, Any]
+from .helpers import CHROMIUM, SCREENSHOTS, VIEWPORTS, Shooter
 
 
 @pytest.fixture
-def team(transactional_db: Any) -> Team:
-    from django.contrib.auth import get_user_model
-
-    users = get_user_model().objects
-    made = {name: users.create_user(name, password="pw") for name in ("alice", "bob", "charlie")}
-    project_a, _ = create_project("Alice's project", Decimal("10.00"), made["alice"])
-    project_a.members.add(made["bob"])
-    project_c, _ = create_project("Charlie's project", Decimal("10.00"), made["charlie"])
-    clients = {}
-    for name, user in made.items():
-        clients[name] = Client()
-        clients[name].force_login(user)
-    return Team(clients["alice"], clients["bob"], clients["charlie"], project_a, project_c, made)
-
-
-@pytest.fixture
-def filled(team: Team, catalogue: Any) -> dict[str, Any]:
+def filled(people: Any, catalogue: Any) -> dict[str, Any]:
     """Five adapters with two revisions each, five files, five jobs with events and five API keys, in project A."""
     from registry.models import ApiKey
 
-    project = team.project_a
+    project = people.project_a
     jobs, adapters, files = [], [], []
     for i in range(5):
         adapter = Model.objects.create(project=project, kind="adapter", name=f"adapter-{i}", base_model="tests/tiny-llama", supported_base=catalogue)
@@ -107,19 +72,6 @@ def screenshots() -> Path:
     return SCREENSHOTS
 
 
-class Shooter:
-    """Saves the current page at desktop and phone width, then puts the viewport back."""
-
-    def __init__(self, folder: Path) -> None:
-        self.folder = folder
-
-    def __call__(self, page: Any, name: str) -> None:
-        for label, size in VIEWPORTS.items():
-            page.set_viewport_size(size)
-            page.screenshot(path=str(self.folder / f"{name}-{label}.png"), full_page=True)
-        page.set_viewport_size(VIEWPORTS["desktop"])
-
-
 @pytest.fixture
 def shoot(screenshots: Path) -> Shooter:
     return Shooter(screenshots)
@@ -145,8 +97,3 @@ def open_page(browser: Any, live_server: Any) -> Iterator[Any]:
     yield sign_in
     for context in contexts:
         context.close()
-
-
-def job_of(project: Project, status: str | None = None) -> Job:
-    jobs = Job.objects.filter(project=project)
-    return (jobs.filter(status=status) if status else jobs).latest("created_at")

@@ -16,9 +16,9 @@ from typing import Any
 
 from jobs.models import Job
 from registry.models import Revision
-from tests.service.conftest import TINY_BASE_ID
+from tests.service.helpers import TINY_BASE_ID
 
-from .conftest import Shooter, job_of
+from .helpers import Shooter, job_of
 
 RUN_TIMEOUT = 300_000  # ms: a tiny job on a loaded 2-core machine
 

@@ -12,7 +12,7 @@ from jobs import services
 from jobs.models import Job
 from registry.models import ApiKey, Model, Revision
 
-from .conftest import Team
+from ..helpers import People
 
 
 def urls_of(project_id: str, data: dict[str, Any]) -> list[str]:
@@ -33,46 +33,46 @@ def urls_of(project_id: str, data: dict[str, Any]) -> list[str]:
     ]
 
 
-def test_every_page_renders_for_a_member(team: Team, filled: dict[str, Any]) -> None:
-    for url in urls_of(team.project_a.id, filled):
-        for client in (team.alice, team.bob):
+def test_every_page_renders_for_a_member(people: People, filled: dict[str, Any]) -> None:
+    for url in urls_of(people.project_a.id, filled):
+        for client in (people.alice.web, people.bob.web):
             response = client.get(url)
             assert response.status_code == 200, url
 
 
-def test_an_outsider_gets_404_on_every_page_of_another_project(team: Team, filled: dict[str, Any]) -> None:
-    a, c = team.project_a.id, team.project_c.id
+def test_an_outsider_gets_404_on_every_page_of_another_project(people: People, filled: dict[str, Any]) -> None:
+    a, c = people.project_a.id, people.project_c.id
     for url in urls_of(a, filled):
-        assert team.charlie.get(url).status_code == 404, url
+        assert people.charlie.web.get(url).status_code == 404, url
         # ...and with his own project in the URL, alice's objects don't exist there either
         if url != f"/projects/{a}/" and not url.endswith(("/prepare/", "/files/", "/adapters/", "/keys/")):
-            assert team.charlie.get(url.replace(a, c)).status_code == 404, url
+            assert people.charlie.web.get(url.replace(a, c)).status_code == 404, url
     job = filled["jobs"][0]
-    assert team.charlie.post(f"/projects/{a}/jobs/{job.id}/cancel").status_code == 404
-    assert team.charlie.post(f"/projects/{c}/jobs/{job.id}/cancel").status_code == 404
+    assert people.charlie.web.post(f"/projects/{a}/jobs/{job.id}/cancel").status_code == 404
+    assert people.charlie.web.post(f"/projects/{c}/jobs/{job.id}/cancel").status_code == 404
     job.refresh_from_db()
     assert job.status == Job.Status.PENDING
 
 
-def test_signed_out_visitors_are_sent_to_sign_in(team: Team, filled: dict[str, Any]) -> None:
+def test_signed_out_visitors_are_sent_to_sign_in(people: People, filled: dict[str, Any]) -> None:
     from django.test import Client
 
-    response = Client().get(f"/projects/{team.project_a.id}/jobs/{filled['jobs'][0].id}/")
+    response = Client().get(f"/projects/{people.project_a.id}/jobs/{filled['jobs'][0].id}/")
     assert response.status_code == 302 and response["Location"].startswith("/login/?next=")
 
 
-def test_the_landing_page_opens_the_last_project_looked_at(team: Team) -> None:
+def test_the_landing_page_opens_the_last_project_looked_at(people: People) -> None:
     from registry.services import create_project
 
-    second, _ = create_project("Alice's second project", user=team.users["alice"])
-    assert team.alice.get("/")["Location"] == f"/projects/{team.project_a.id}/"  # alphabetically first
-    team.alice.get(f"/projects/{second.id}/")
-    assert team.alice.get("/")["Location"] == f"/projects/{second.id}/"
-    page = team.alice.get(f"/projects/{second.id}/").content.decode()
+    second, _ = create_project("Alice's second project", user=people.alice.user)
+    assert people.alice.web.get("/")["Location"] == f"/projects/{people.project_a.id}/"  # alphabetically first
+    people.alice.web.get(f"/projects/{second.id}/")
+    assert people.alice.web.get("/")["Location"] == f"/projects/{second.id}/"
+    page = people.alice.web.get(f"/projects/{second.id}/").content.decode()
     assert "Alice&#x27;s project" in page and "Alice&#x27;s second project" in page  # the switcher
 
 
-def test_a_user_in_no_project_sees_why(team: Team) -> None:
+def test_a_user_in_no_project_sees_why(people: People) -> None:
     from django.contrib.auth import get_user_model
     from django.test import Client
 
@@ -94,99 +94,99 @@ def test_a_user_in_no_project_sees_why(team: Team) -> None:
     ],
 )
 def test_list_pages_take_a_fixed_number_of_queries(
-    team: Team, filled: dict[str, Any], django_assert_num_queries: Any, page: str, queries: int
+    people: People, filled: dict[str, Any], django_assert_num_queries: Any, page: str, queries: int
 ) -> None:
-    team.alice.get(f"/projects/{team.project_a.id}/")  # the session records the project once
+    people.alice.web.get(f"/projects/{people.project_a.id}/")  # the session records the project once
     with django_assert_num_queries(queries):
-        response = team.alice.get(f"/projects/{team.project_a.id}/{page}")
+        response = people.alice.web.get(f"/projects/{people.project_a.id}/{page}")
     assert response.status_code == 200
     assert response.content.decode().count("<tr>") >= 5
 
 
-def test_long_lists_are_paged_and_keep_their_filter(team: Team, filled: dict[str, Any]) -> None:
+def test_long_lists_are_paged_and_keep_their_filter(people: People, filled: dict[str, Any]) -> None:
     adapter = filled["adapters"][0]
     for _ in range(21):  # 26 pending jobs with the five of `filled`
-        services.create_job(team.project_a, {"adapter_object_id": adapter.id})
-    base = f"/projects/{team.project_a.id}/"
-    first = team.alice.get(f"{base}?status=active").content.decode()
+        services.create_job(people.project_a, {"adapter_object_id": adapter.id})
+    base = f"/projects/{people.project_a.id}/"
+    first = people.alice.web.get(f"{base}?status=active").content.decode()
     assert first.count("<tr>") == 26 and 'href="?status=active&amp;page=2">Older →</a>' in first and "Page 1 of 2" in first
-    second = team.alice.get(f"{base}?status=active&page=2").content.decode()
+    second = people.alice.web.get(f"{base}?status=active&page=2").content.decode()
     assert second.count("<tr>") == 2 and 'href="?status=active&amp;page=1">← Newer</a>' in second
-    assert "Page 1 of 1" not in team.alice.get(f"{base}?status=completed").content.decode()
+    assert "Page 1 of 1" not in people.alice.web.get(f"{base}?status=completed").content.decode()
 
 
 def test_the_polled_job_partial_takes_a_fixed_number_of_queries_and_stops_when_the_job_ends(
-    team: Team, filled: dict[str, Any], django_assert_num_queries: Any
+    people: People, filled: dict[str, Any], django_assert_num_queries: Any
 ) -> None:
     job = filled["jobs"][0]
-    url = f"/projects/{team.project_a.id}/jobs/{job.id}/live"
-    team.alice.get(f"/projects/{team.project_a.id}/")
+    url = f"/projects/{people.project_a.id}/jobs/{job.id}/live"
+    people.alice.web.get(f"/projects/{people.project_a.id}/")
     with django_assert_num_queries(5):  # session, user, membership, the job in the project with its relations, events
-        response = team.alice.get(url, headers={"HX-Request": "true"})
+        response = people.alice.web.get(url, headers={"HX-Request": "true"})
     html = response.content.decode()
     assert response.status_code == 200 and 'hx-trigger="every 2s"' in html and "<html" not in html
     assert html.count("<li><time") == 4  # the creation event and three stage events
 
-    services.request_cancel(team.project_a, job.id)  # a pending job: settled as cancelled at once
+    services.request_cancel(people.project_a, job.id)  # a pending job: settled as cancelled at once
     job.refresh_from_db()
     assert job.status == Job.Status.CANCELLED
-    response = team.alice.get(url, headers={"HX-Request": "true"})
+    response = people.alice.web.get(url, headers={"HX-Request": "true"})
     html = response.content.decode()
     assert response.status_code == 286  # htmx stops polling
     assert 'data-status="cancelled"' in html and "hx-trigger" not in html
 
 
-def test_cancel_from_the_page_and_a_second_cancel_says_why_not(team: Team, filled: dict[str, Any]) -> None:
+def test_cancel_from_the_page_and_a_second_cancel_says_why_not(people: People, filled: dict[str, Any]) -> None:
     job = filled["jobs"][1]
-    url = f"/projects/{team.project_a.id}/jobs/{job.id}/cancel"
-    response = team.bob.post(url, headers={"HX-Request": "true"})
+    url = f"/projects/{people.project_a.id}/jobs/{job.id}/cancel"
+    response = people.bob.web.post(url, headers={"HX-Request": "true"})
     html = response.content.decode()
     # the step the request took, still polling; no worker had the job, so the next poll shows its end
     assert response.status_code == 200 and 'data-status="cancel_requested"' in html and 'hx-trigger="every 2s"' in html
     assert "Cancel job" not in html
-    response = team.bob.get(f"/projects/{team.project_a.id}/jobs/{job.id}/live", headers={"HX-Request": "true"})
+    response = people.bob.web.get(f"/projects/{people.project_a.id}/jobs/{job.id}/live", headers={"HX-Request": "true"})
     assert response.status_code == 286 and 'data-status="cancelled"' in response.content.decode()
-    response = team.bob.post(url)  # without JavaScript: the whole page, with the reason
+    response = people.bob.web.post(url)  # without JavaScript: the whole page, with the reason
     assert response.status_code == 409
     assert f"Shaping job {job.id} is not cancellable: it has already ended (cancelled)" in response.content.decode()
 
 
-def test_estimate_shows_price_and_credit_and_create_needs_the_confirmed_price(team: Team, filled: dict[str, Any]) -> None:
+def test_estimate_shows_price_and_credit_and_create_needs_the_confirmed_price(people: People, filled: dict[str, Any]) -> None:
     adapter = filled["adapters"][0]
-    base = f"/projects/{team.project_a.id}/prepare"
+    base = f"/projects/{people.project_a.id}/prepare"
     form = {"adapter": adapter.id, "revision": "", "calibration_file": filled["files"][0].id}
-    html = team.alice.post(f"{base}/estimate", form, headers={"HX-Request": "true"}).content.decode()
+    html = people.alice.web.post(f"{base}/estimate", form, headers={"HX-Request": "true"}).content.decode()
     assert 'data-price="0.10"' in html and "Allowed to proceed" in html and "$9.50 available" in html  # 5 jobs hold $0.50
     assert 'name="confirm_price" value="0.10"' in html
 
     before = Job.objects.count()
-    response = team.alice.post(f"{base}/create", {**form, "confirm_price": "0.01"}, headers={"HX-Request": "true"})
+    response = people.alice.web.post(f"{base}/create", {**form, "confirm_price": "0.01"}, headers={"HX-Request": "true"})
     assert response.status_code == 409 and "Confirm the price first: the job costs $0.10." in response.content.decode()
     assert Job.objects.count() == before
 
-    response = team.alice.post(f"{base}/create", {**form, "confirm_price": "0.10"}, headers={"HX-Request": "true"})
+    response = people.alice.web.post(f"{base}/create", {**form, "confirm_price": "0.10"}, headers={"HX-Request": "true"})
     job = Job.objects.latest("created_at")
-    assert response.status_code == 200 and response["HX-Redirect"] == f"/projects/{team.project_a.id}/jobs/{job.id}/"
+    assert response.status_code == 200 and response["HX-Redirect"] == f"/projects/{people.project_a.id}/jobs/{job.id}/"
     assert job.adapter_id == adapter.id and job.calibration_file_id == filled["files"][0].id
     assert job.adapter_revision_id == adapter.latest_revision().id
 
 
-def test_estimate_errors_are_the_services_messages(team: Team, filled: dict[str, Any]) -> None:
-    base = f"/projects/{team.project_a.id}/prepare"
-    other = Model.objects.create(project=team.project_c, kind="adapter", name="x", base_model="tests/tiny-llama")
-    response = team.alice.post(f"{base}/estimate", {"adapter": other.id}, headers={"HX-Request": "true"})
+def test_estimate_errors_are_the_services_messages(people: People, filled: dict[str, Any]) -> None:
+    base = f"/projects/{people.project_a.id}/prepare"
+    other = Model.objects.create(project=people.project_c, kind="adapter", name="x", base_model="tests/tiny-llama")
+    response = people.alice.web.post(f"{base}/estimate", {"adapter": other.id}, headers={"HX-Request": "true"})
     assert response.status_code == 404 and f"model {other.id} does not exist in this project" in response.content.decode()
 
-    team.project_a.block("unpaid invoice")
-    html = team.alice.post(f"{base}/estimate", {"adapter": filled["adapters"][0].id}).content.decode()
+    people.project_a.block("unpaid invoice")
+    html = people.alice.web.post(f"{base}/estimate", {"adapter": filled["adapters"][0].id}).content.decode()
     assert "Not allowed to proceed." in html and "is blocked from starting jobs (unpaid invoice)" in html
     assert "Create job" not in html
 
 
-def test_choosing_an_adapter_refreshes_its_revisions(team: Team, filled: dict[str, Any]) -> None:
+def test_choosing_an_adapter_refreshes_its_revisions(people: People, filled: dict[str, Any]) -> None:
     adapter = filled["adapters"][2]
-    response = team.alice.get(
-        f"/projects/{team.project_a.id}/prepare/?adapter={adapter.id}", headers={"HX-Request": "true", "HX-Target": "revision-field"}
+    response = people.alice.web.get(
+        f"/projects/{people.project_a.id}/prepare/?adapter={adapter.id}", headers={"HX-Request": "true", "HX-Target": "revision-field"}
     )
     html = response.content.decode()
     assert html.lstrip().startswith('<div class="field" id="revision-field">')
@@ -194,66 +194,66 @@ def test_choosing_an_adapter_refreshes_its_revisions(team: Team, filled: dict[st
         assert revision.id in html
 
 
-def test_a_calibration_upload_from_the_prepare_page_reports_its_errors_inline(team: Team, calibration_bytes: bytes) -> None:
+def test_a_calibration_upload_from_the_prepare_page_reports_its_errors_inline(people: People, calibration_bytes: bytes) -> None:
     from django.core.files.uploadedfile import SimpleUploadedFile
 
-    url = f"/projects/{team.project_a.id}/files/"
+    url = f"/projects/{people.project_a.id}/files/"
     hx = {"HX-Request": "true", "HX-Target": "calibration-field"}
     bad = b'{"messages": [{"role": "user", "content": "hi"}]}\nnot json\n{"messages": []}\n'
-    response = team.alice.post(url, {"file": SimpleUploadedFile("bad.jsonl", bad)}, headers=hx)
+    response = people.alice.web.post(url, {"file": SimpleUploadedFile("bad.jsonl", bad)}, headers=hx)
     html = response.content.decode()
     assert response.status_code == 200 and "did not pass validation" in html
     assert '<span class="line">line 2</span>' in html and '<span class="line">line 3</span>' in html
 
-    response = team.alice.post(url, {"file": SimpleUploadedFile("good.jsonl", calibration_bytes)}, headers=hx)
+    response = people.alice.web.post(url, {"file": SimpleUploadedFile("good.jsonl", calibration_bytes)}, headers=hx)
     html = response.content.decode()
     assert "passed validation: 120 conversations" in html
-    good = team.project_a.files.get(filename="good.jsonl")
+    good = people.project_a.files.get(filename="good.jsonl")
     assert f'<option value="{good.id}" selected>' in html
 
 
-def test_an_upload_over_the_limit_stores_nothing_and_says_so(team: Team, settings: Any) -> None:
+def test_an_upload_over_the_limit_stores_nothing_and_says_so(people: People, settings: Any) -> None:
     from django.core.files.uploadedfile import SimpleUploadedFile
 
     settings.CALIBRATION_MAX_BYTES = 1000
-    response = team.alice.post(f"/projects/{team.project_a.id}/files/", {"file": SimpleUploadedFile("big.jsonl", b"x" * 5000)})
+    response = people.alice.web.post(f"/projects/{people.project_a.id}/files/", {"file": SimpleUploadedFile("big.jsonl", b"x" * 5000)})
     assert response.status_code == 400
     assert "The calibration file is larger than the limit of 1,000 bytes; nothing was stored" in response.content.decode()
-    assert not team.project_a.files.exists()
+    assert not people.project_a.files.exists()
 
 
-def test_registering_a_bad_adapter_archive_shows_why(team: Team, catalogue: Any) -> None:
+def test_registering_a_bad_adapter_archive_shows_why(people: People, catalogue: Any) -> None:
     from django.core.files.uploadedfile import SimpleUploadedFile
 
-    response = team.alice.post(
-        f"/projects/{team.project_a.id}/adapters/",
+    response = people.alice.web.post(
+        f"/projects/{people.project_a.id}/adapters/",
         {"name": "x", "base_model": "tests/tiny-llama", "file": SimpleUploadedFile("a.tar.gz", b"not an archive")},
         headers={"HX-Request": "true"},
     )
     assert response.status_code == 400 and 'role="alert"' in response.content.decode()
-    assert not Model.objects.filter(project=team.project_a).exists()
+    assert not Model.objects.filter(project=people.project_a).exists()
 
 
-def test_api_keys_are_shown_once_and_revoked_only_in_their_project(team: Team) -> None:
-    url = f"/projects/{team.project_a.id}/keys/"
-    html = team.alice.post(url, {"name": "CI pipeline"}).content.decode()
+def test_api_keys_are_shown_once_and_revoked_only_in_their_project(people: People) -> None:
+    url = f"/projects/{people.project_a.id}/keys/"
+    html = people.alice.web.post(url, {"name": "CI pipeline"}).content.decode()
     key = ApiKey.objects.get(name="CI pipeline")
     raw = html.split("<code data-key>")[1].split("</code>")[0]
     assert ApiKey.find(raw) == key
-    assert raw not in team.alice.get(url).content.decode()  # only once
+    assert raw not in people.alice.web.get(url).content.decode()  # only once
 
-    assert team.charlie.post(f"/projects/{team.project_c.id}/keys/{key.id}/revoke").status_code == 404
-    assert team.alice.post(f"/projects/{team.project_a.id}/keys/{key.id}/revoke").status_code == 302
+    assert people.charlie.web.post(f"/projects/{people.project_c.id}/keys/{key.id}/revoke").status_code == 404
+    assert people.alice.web.post(f"/projects/{people.project_a.id}/keys/{key.id}/revoke").status_code == 302
     assert ApiKey.find(raw) is None
 
 
-def test_the_revision_page_gives_the_exact_vllm_command(team: Team, catalogue: Any) -> None:
+def test_the_revision_page_gives_the_exact_vllm_command(people: People, catalogue: Any) -> None:
     from registry.models import DeploymentProfile
 
     DeploymentProfile.objects.create(supported_base=catalogue, name="Two H200", hardware="H200", gpu_count=2, quantization="nvfp4")
-    model = Model.objects.create(project=team.project_a, kind="prepared", name="bot (NVFP4)", base_model="tests/tiny-llama-nvfp4", supported_base=catalogue)
+    model = Model.objects.create(project=people.project_a, kind="prepared", name="bot (NVFP4)", base_model="tests/tiny-llama-nvfp4", supported_base=catalogue)
     revision = Revision.objects.create(model=model, number=1, path="p", size_bytes=1, sha256="0" * 64, metadata={"quantization": "nvfp4"})
-    html = team.alice.get(f"/projects/{team.project_a.id}/models/{model.id}/revisions/{revision.id}/").content.decode()
+    html = people.alice.web.get(f"/projects/{people.project_a.id}/models/{model.id}/revisions/{revision.id}/").content.decode()
     directory = f"{model.id}-{revision.id}"
     serve = f"vllm serve ./{directory} \\\n    --quantization modelopt_fp4 \\\n    --tensor-parallel-size 2 \\\n    --served-model-name &#x27;bot (NVFP4)&#x27;"
     assert serve in html

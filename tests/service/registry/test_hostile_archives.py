@@ -19,7 +19,7 @@ from fp4prep.errors import InvalidInput, TooLarge
 from registry import archives
 from registry.models import Model, Revision
 
-from ..conftest import People, error_of, lora_weights
+from ..helpers import People, error_of, lora_weights
 from .test_models_api import LORA_CONFIG, VALID, tar_gz, zipped
 
 

@@ -13,7 +13,7 @@ import pytest
 from registry.artifacts import manifest
 from registry.models import Model, Revision
 
-from ..conftest import TINY_BASE_ID, People, error_of, lora_weights
+from ..helpers import TINY_BASE_ID, People, error_of, lora_weights
 
 
 def tar_gz(files: dict[str, bytes], links: dict[str, str] | None = None) -> bytes:

@@ -1,0 +1,43 @@
+"""The parity metrics themselves: a model compared with itself agrees everywhere with zero KL, each
+metric counts the positions it says it does, and a damaged copy shows on every one of them."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM
+
+from fp4prep.pipeline.corpus import ParityExample
+from fp4prep.pipeline.parity import token_parity
+
+
+def examples(vocab: int) -> list[ParityExample]:
+    generator = torch.Generator().manual_seed(0)
+    made = []
+    for _ in range(3):
+        ids = torch.randint(0, vocab, (40,), generator=generator).tolist()
+        made.append(ParityExample(ids, ids[:10], [(20, 40)]))  # 10 prompt tokens, an answer at 20..39
+    return made
+
+
+def test_a_model_agrees_with_itself_and_a_damaged_copy_shows(llama_base: Path) -> None:
+    model = AutoModelForCausalLM.from_pretrained(llama_base, dtype=torch.float32).eval()
+    cases = examples(model.config.vocab_size)
+    same = token_parity(model, model, cases, continuation_tokens=6)
+    assert (same.prompts, same.tokens, same.answer_tokens) == (3, 3 * 39, 3 * 20)
+    assert same.continuation_tokens <= 3 * 6  # greedy stops early only at an end-of-turn token
+    assert (same.top1_agreement, same.answer_top1, same.continuation_top1, same.identical_greedy) == (1.0, 1.0, 1.0, 1.0)
+    assert same.mean_kl == same.answer_kl == same.continuation_kl == 0.0
+
+    damaged = copy.deepcopy(model)
+    with torch.no_grad():
+        for layer in damaged.model.layers:
+            weight = layer.mlp.down_proj.weight
+            weight.add_(torch.randn(weight.shape, generator=torch.Generator().manual_seed(1)) * 4 * weight.std())
+    worse = token_parity(model, damaged, cases, continuation_tokens=6)
+    # A random tiny model's distributions are nearly flat, so KL stays small; the top-1 choices move.
+    assert worse.answer_kl > 0.001 and worse.mean_kl > 0.001 and worse.continuation_kl > 0.001
+    assert worse.answer_top1 < 0.5 and worse.top1_agreement < 0.5 and worse.continuation_top1 < 0.5
+    assert worse.identical_greedy < 1.0
