@@ -6,6 +6,10 @@ import sys
 
 if __name__ == "__main__":
     os.environ.setdefault("DJANGO_SETTINGS_MODULE", "fp4prep.settings")
-    from django.core.management import execute_from_command_line
+    try:
+        from django.core.management import execute_from_command_line
+    except ImportError:
+        print("error: manage.py runs the service, which needs Django: pip install 'fp4prep[service]'", file=sys.stderr)
+        sys.exit(2)
 
     execute_from_command_line(sys.argv)

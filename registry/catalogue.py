@@ -32,6 +32,8 @@ def _llama_shapes(layers: int, hidden: int, intermediate: int, kv_width: int, vo
 
 # GLM-5.3's and Kimi-K3's weight shapes are filled from their weights where a worker has them
 # (`manage.py baseshapes glm-5.3`); until then their adapters' shapes are checked when a job merges.
+# Their jobs are held to their format recipe's thresholds (fp4prep/pipeline/recipes.py) until
+# BF16-vs-FP4 figures measured on their own weights set bars of their own here.
 CATALOGUE: list[dict[str, Any]] = [
     {
         "slug": "glm-5.3",
@@ -70,7 +72,22 @@ CATALOGUE: list[dict[str, Any]] = [
         "accepted_base_ids": ["HuggingFaceTB/SmolLM2-135M-Instruct"],
         "served_base_id": "fp4prep/SmolLM2-135M-Instruct-NVFP4",
         "quantization": "nvfp4",
-        "recipe": {"calibration_tokens": 8192, "sequence_length": 512},
+        # Measured on the demo (recipe_search.py, NVFP4, BF16 merged vs checkpoint): KL on the
+        # answers 0.08-0.13, top-1 on the BF16 model's continuations 0.96-1.0, identical greedy
+        # 0.88-1.0, retention 0.99-1.0, reload 0.0. Each bar leaves about twice the room that
+        # arithmetic (FP32 vs BF16 compute) moved them by; a checkpoint that lost the adapter or
+        # has one scrambled layer misses them (tests/pipeline/test_parity_gate.py).
+        "recipe": {
+            "calibration_tokens": 8192,
+            "sequence_length": 512,
+            "thresholds": {
+                "continuation_top1": 0.9,
+                "answer_kl": 0.25,
+                "identical_greedy": 0.6,
+                "adapter_retention": 0.9,
+                "reload_max_logit_diff": 1e-3,
+            },
+        },
         "user_token_minimum": 4096,
         "typical_hours": Decimal("0.05"),
         "gpu_count": 0,

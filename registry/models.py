@@ -15,7 +15,7 @@ from django.utils import timezone
 
 from fp4prep import ids
 from fp4prep.errors import NotFound
-from fp4prep.pipeline.recipes import Thresholds
+from fp4prep.pipeline.recipes import RECIPES, Thresholds
 
 CENT = Decimal("0.01")
 
@@ -156,7 +156,8 @@ class SupportedBase(models.Model):
     family = models.CharField(max_length=100)
     accepted_base_ids = models.JSONField(help_text="Adapter base IDs this entry accepts")
     served_base_id = models.CharField(max_length=200, help_text="The FP4 base the prepared model is registered against")
-    quantization = models.CharField(max_length=10, choices=[("nvfp4", "NVFP4"), ("mxfp4", "MXFP4")])
+    # The catalogue's formats: the recipes' 4-bit ones (FP8 is for local runs).
+    quantization = models.CharField(max_length=10, choices=[(n, n.upper()) for n, r in RECIPES.items() if r.weight_bits < 5])
     # Fixed merge and quantization parameters (PipelineConfig fields); users can't change them.
     recipe = models.JSONField(default=dict, blank=True)
     user_token_minimum = models.PositiveIntegerField()

@@ -13,6 +13,7 @@ import warnings
 from pathlib import Path
 from typing import Any
 
+from fp4prep.pipeline.recipes import RECIPES
 from fp4prep.text import format_bytes
 
 from . import exits
@@ -84,6 +85,32 @@ def summary(result: Any) -> str:
     return "\n".join(lines)
 
 
+# What ``quantize`` and ``demo`` import, all from the [pipeline] extra.
+PIPELINE_MODULES = ("torch", "modelopt", "transformers", "peft", "safetensors", "accelerate", "gguf")
+PIPELINE_INSTALL = "pip install torch==2.13.0 && pip install 'fp4prep[pipeline]'"
+
+
+def missing_pipeline() -> str | None:
+    """The one line to print when the [pipeline] extra isn't installed, else None."""
+    import importlib.util
+
+    missing = [name for name in PIPELINE_MODULES if importlib.util.find_spec(name) is None]
+    if not missing:
+        return None
+    return f"this command runs the pipeline, which needs {', '.join(missing)}: {PIPELINE_INSTALL}"
+
+
+def needs_pipeline(command: Any) -> Any:
+    def checked(args: argparse.Namespace) -> int:
+        problem = missing_pipeline()
+        if problem:
+            print(f"error: {problem}", file=sys.stderr)
+            return exits.INPUT
+        return int(command(args))
+
+    return checked
+
+
 def cmd_quantize(args: argparse.Namespace) -> int:
     from fp4prep.pipeline import Cancelled, PipelineConfig, PipelineError, UserError, run
 
@@ -147,7 +174,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
 def _add_run_options(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--quantization",
-        choices=("nvfp4", "mxfp4", "fp8"),
+        choices=tuple(RECIPES),
         default="nvfp4",
         help="output format (default nvfp4)",
     )
@@ -192,13 +219,13 @@ def add_commands(sub: Any) -> None:
         "--user-token-minimum", type=int, default=0, help="least tokens the calibration file must supply"
     )
     _add_run_options(q)
-    q.set_defaults(func=cmd_quantize)
+    q.set_defaults(func=needs_pipeline(cmd_quantize))
 
     d = sub.add_parser("demo", help="build the embedded demo (SmolLM2-135M + LoRA) and quantize it")
     d.add_argument("--output-directory", type=Path, help="default var/demo-<quantization>")
     d.add_argument("--rebuild", action="store_true", help="rebuild the cached demo assets")
     _add_run_options(d)
-    d.set_defaults(func=cmd_demo)
+    d.set_defaults(func=needs_pipeline(cmd_demo))
 
 
 def quiet_libraries() -> None:

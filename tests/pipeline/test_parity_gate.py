@@ -1,0 +1,84 @@
+"""The SmolLM2 catalogue thresholds on the demo: a sound NVFP4 checkpoint passes them, and one that
+lost the adapter, or has one corrupted layer, fails them on parity alone."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from fp4prep import demo
+from fp4prep.pipeline import PipelineConfig, Thresholds, corpus, device, reader, run, streaming, validate
+from fp4prep.pipeline import parity as behaviour
+from fp4prep.pipeline.checkpoint import TensorSource, read_config
+from fp4prep.pipeline.merge import load_adapter
+from fp4prep.pipeline.weights import MergedWeights
+from registry.catalogue import CATALOGUE
+
+SMOLLM2 = next(e for e in CATALOGUE if e["slug"] == "smollm2-135m-instruct")
+THRESHOLDS = Thresholds(**SMOLLM2["recipe"]["thresholds"])
+
+
+@pytest.fixture(scope="module")
+def assets() -> demo.DemoAssets:
+    return demo.build()
+
+
+@pytest.fixture(scope="module")
+def prepared(assets: demo.DemoAssets, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The demo adapter on the demo base, NVFP4, through the whole pipeline with its quality gate."""
+    out = tmp_path_factory.mktemp("prepared") / "nvfp4"
+    run(PipelineConfig(base_dir=assets.base_dir, output_dir=out, adapter_dir=assets.adapter_dir,
+                       calibration_file=assets.calibration_file, thresholds=THRESHOLDS, device="cpu"))
+    return out
+
+
+def parity_against_the_merged_model(assets: demo.DemoAssets, checkpoint: Path) -> Any:
+    """Parity of ``checkpoint`` with the BF16 merged model on the held-back demo conversations."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(assets.base_dir)
+    examples = corpus.build(
+        tokenizer, calibration_file=assets.calibration_file, general_text_file=None, total_tokens=8192,
+        sequence_length=512, user_token_minimum=0, holdout_fraction=0.1, parity_prompts=16, seed=0,
+    ).parity
+    compute = device.resolve("cpu")
+    merged = MergedWeights(TensorSource(assets.base_dir), load_adapter(assets.adapter_dir), compute.dtype, compute.device)
+    reference = streaming.build(read_config(assets.base_dir), merged, compute, assets.base_dir)
+    return behaviour.token_parity(reference, reader.load(checkpoint, compute), examples, 16)
+
+
+def parity_misses(report: Any) -> list[str]:
+    # Parity alone: the reload and retention checks are not asked.
+    return validate.misses(THRESHOLDS, report, reload_diff=0.0, kept=None)
+
+
+def test_a_sound_checkpoint_clears_the_catalogue_thresholds(assets: demo.DemoAssets, prepared: Path) -> None:
+    report = parity_against_the_merged_model(assets, prepared)
+    assert parity_misses(report) == [], report
+
+
+def test_a_checkpoint_that_lost_the_adapter_fails_on_parity(assets: demo.DemoAssets, tmp_path: Path) -> None:
+    # The base alone, quantized: a sound checkpoint of the wrong model.
+    out = tmp_path / "base-only"
+    run(PipelineConfig(base_dir=assets.base_dir, output_dir=out, calibration_file=assets.calibration_file,
+                       quality_gate=False, device="cpu"))
+    missed = parity_misses(parity_against_the_merged_model(assets, out))
+    assert any("continuations" in m for m in missed) and any("assistant turns" in m for m in missed), missed
+
+
+def test_a_checkpoint_with_one_corrupted_layer_fails_on_parity(assets: demo.DemoAssets, prepared: Path, tmp_path: Path) -> None:
+    broken = tmp_path / "broken"
+    shutil.copytree(prepared, broken)
+    shard = broken / "model.safetensors"
+    tensors = load_file(str(shard))
+    # One layer's MLP output projection scrambled: its FP4 codes reversed along the rows.
+    name = "model.layers.12.mlp.down_proj.weight"
+    tensors[name] = torch.flip(tensors[name], dims=[0]).contiguous()
+    save_file(tensors, str(shard), metadata={"format": "pt"})
+    missed = parity_misses(parity_against_the_merged_model(assets, broken))
+    assert missed, "a scrambled layer passed the parity thresholds"
