@@ -3,6 +3,7 @@ terminal) with ``cli``, and through a pseudo-terminal with ``terminal`` (pexpect
 
 from __future__ import annotations
 
+import signal
 import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -28,6 +29,9 @@ def terminal(people: Any, live_server: Any, tmp_path: Path) -> Iterator[Callable
         child = pexpect.spawn(
             sys.executable, ["-m", "fp4prep.cli", *args], env=env_for(live_server.url, people.alice.key, **env),
             cwd=str(tmp_path), encoding="utf-8", timeout=60, dimensions=(40, 200),
+            # As in a person's shell: Ctrl-C interrupts, even when the suite itself was started in
+            # the background of a script (which leaves SIGINT ignored for every child).
+            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
         )
         spawned.append(child)
         return child
