@@ -146,10 +146,12 @@ def build(
             if i % 16 == 0:
                 report(0.5 * i / max(1, len(kept)))
         user_tokens = _take(rendered, half)
+        held_rendered: dict[int, list[int]] = {}  # rendered once, when the minimum needs them counted
         if len(user_tokens) < half:
             # A file smaller than its half of the corpus: the minimum counts every token the user
             # supplied, the held-back conversations too, and the general half shrinks to match.
-            held_tokens = sum(len(render(tokenizer, convs[i])) for i in held)
+            held_rendered.update((i, render(tokenizer, convs[i])) for i in held)
+            held_tokens = sum(map(len, held_rendered.values()))
             supplied = len(user_tokens) + held_tokens
             needed = max(user_token_minimum, held_tokens + sequence_length)
             if supplied < needed or len(user_tokens) < sequence_length:
@@ -159,7 +161,7 @@ def build(
                     f"{len(held):,} conversations are held back for the parity check): add more conversations and retry"
                 )
         for index in held[:parity_prompts]:
-            ids = render(tokenizer, convs[index])[:sequence_length]
+            ids = (held_rendered.get(index) or render(tokenizer, convs[index]))[:sequence_length]
             prompt = render_prompt(tokenizer, convs[index])[: sequence_length // 2]
             parity.append(ParityExample(ids, prompt, answer_spans(tokenizer, convs[index], ids)))
         held_lines = [convs[i].line for i in held]
