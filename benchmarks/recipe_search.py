@@ -30,18 +30,23 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 AWQ_FOLDED = {"mutates_weights": True, "folds_pre_quant_scale": True}
-# name -> (format, the changes to the format's default recipe)
+# ModelOpt's config as it is, with its own calibration: what the peers run by hand. "(default)"
+# rows are the baseline each format's calibration time is compared with.
+OWN = {"algorithm": None, "mutates_weights": False, "folds_pre_quant_scale": False}
+# name -> (format, the changes to the format's recipe)
 CANDIDATES: dict[str, tuple[str, dict[str, Any]]] = {
-    "nvfp4 max (default)": ("nvfp4", {}),
-    "nvfp4 4/6 weight scales": ("nvfp4", {"modelopt_config": "NVFP4_FOUR_OVER_SIX_CFG"}),
-    "nvfp4 MSE weight scales (FP8 sweep)": ("nvfp4", {"modelopt_config": "NVFP4_W4A4_WEIGHT_MSE_FP8_SWEEP_CFG"}),
-    "nvfp4 local-Hessian weight scales": ("nvfp4", {"modelopt_config": "NVFP4_W4A4_WEIGHT_LOCAL_HESSIAN_CFG"}),
-    "nvfp4 GPTQ": ("nvfp4", {"modelopt_config": "NVFP4_W4A4_WEIGHT_MSE_FP8_SWEEP_CFG", "algorithm": {"method": "gptq"},
+    "nvfp4 max (default)": ("nvfp4", OWN),
+    "nvfp4 4/6 weight scales": ("nvfp4", {**OWN, "modelopt_config": "NVFP4_FOUR_OVER_SIX_CFG"}),
+    "nvfp4 MSE weight scales (FP8 sweep)": ("nvfp4", {**OWN, "modelopt_config": "NVFP4_W4A4_WEIGHT_MSE_FP8_SWEEP_CFG"}),
+    "nvfp4 local-Hessian weight scales": ("nvfp4", {**OWN, "modelopt_config": "NVFP4_W4A4_WEIGHT_LOCAL_HESSIAN_CFG"}),
+    "nvfp4 GPTQ": ("nvfp4", {**OWN, "modelopt_config": "NVFP4_W4A4_WEIGHT_MSE_FP8_SWEEP_CFG", "algorithm": {"method": "gptq"},
                             "mutates_weights": True}),
     "nvfp4 AWQ-lite, folded (alpha step 0.25)": ("nvfp4", {"algorithm": {"method": "awq_lite", "alpha_step": 0.25}, **AWQ_FOLDED}),
     "nvfp4 AWQ-lite, folded (alpha step 0.5)": ("nvfp4", {"algorithm": {"method": "awq_lite", "alpha_step": 0.5}, **AWQ_FOLDED}),
-    "mxfp4 max (default)": ("mxfp4", {}),
+    "nvfp4 AWQ-lite, folded (alpha step 1.0)": ("nvfp4", {"algorithm": {"method": "awq_lite", "alpha_step": 1.0}, **AWQ_FOLDED}),
+    "mxfp4 max (default)": ("mxfp4", OWN),
     "mxfp4 AWQ-lite, folded (alpha step 0.25)": ("mxfp4", {"algorithm": {"method": "awq_lite", "alpha_step": 0.25}, **AWQ_FOLDED}),
+    "mxfp4 AWQ-lite, folded (alpha step 0.5)": ("mxfp4", {"algorithm": {"method": "awq_lite", "alpha_step": 0.5}, **AWQ_FOLDED}),
 }
 TASKS = ("sentiment", "orders")
 

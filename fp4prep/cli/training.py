@@ -150,13 +150,16 @@ def watch(client: Client, job_id: str, interval: float) -> int:
             events = api.list_events(job_id, after=after).data  # after the job: a terminal job's events are all here
             if job.status != status or events:
                 bar.close()
-            if job.status != status:
+            # A job that ended: its last events (registering, the result) come before the ending.
+            if job.status != status and not job.is_terminal:
                 status = job.status
                 print(f"Status: {status}", flush=True)
             for event in events:
                 print(f"  {out.when(event.created_at)}  {event.type:<18}  {event.message}", flush=True)
                 after = event.id
             if job.is_terminal:
+                if job.status != status:
+                    print(f"Status: {job.status}", flush=True)
                 break
             if job.status == "running":
                 bar.update(job.stage, job.progress)

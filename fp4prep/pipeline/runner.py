@@ -296,6 +296,7 @@ def _lineage(config: PipelineConfig, recipe: Any, result: PipelineResult) -> dic
         "recipe": {
             "name": recipe.name,
             "modelopt_config": recipe.modelopt_config,
+            "calibration": recipe.calibration,
             "quant_algo": recipe.quant_algo,
             "layout": recipe.layout,
             "calibration_tokens": result.corpus.user_tokens + result.corpus.general_tokens,

@@ -23,25 +23,44 @@ def tensors() -> list[torch.Tensor]:
     return [gaussian, with_zero_blocks, tiny, outliers, ties]
 
 
+NVFP4 = {"fused": fakequant.nvfp4_fake_quant, "eager": fakequant.nvfp4_fake_quant.eager}  # type: ignore[attr-defined]
+MXFP4 = {"fused": fakequant.mxfp4_fake_quant, "eager": fakequant.mxfp4_fake_quant.eager}  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize("path", ["fused", "eager"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("index", range(5))
-def test_nvfp4_matches_modelopts_qtensor(index: int, dtype: torch.dtype) -> None:
+def test_nvfp4_matches_modelopts_qtensor(index: int, dtype: torch.dtype, path: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(fakequant, "FUSED_MIN_VALUES", 0)  # these tensors are small: fuse them anyway
     x = tensors()[index].to(dtype)
     packed, scale, scale_2 = NVFP4QTensor.quantize(x, 16)
     expected = packed.dequantize(dtype=dtype, scale=scale, double_scale=scale_2, block_sizes={-1: 16})
-    got = fakequant.nvfp4_fake_quant(x, 16, x.abs().amax())
+    got = NVFP4[path](x, 16, x.abs().amax())
     assert got.dtype == dtype
     assert torch.equal(got, expected)
 
 
+@pytest.mark.parametrize("path", ["fused", "eager"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("index", range(5))
-def test_mxfp4_matches_modelopts_qtensor(index: int, dtype: torch.dtype) -> None:
+def test_mxfp4_matches_modelopts_qtensor(index: int, dtype: torch.dtype, path: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(fakequant, "FUSED_MIN_VALUES", 0)
     x = tensors()[index].to(dtype)
     packed, exponents = MXFP4QTensor.quantize(x, 32)
     expected = packed.dequantize(dtype=dtype, scale=exponents, block_sizes={-1: 32})
-    got = fakequant.mxfp4_fake_quant(x, 32)
+    got = MXFP4[path](x, 32)
     assert torch.equal(got, expected)
+
+
+def test_the_fused_path_compiles_here_and_equals_eager_on_activations() -> None:
+    # Activations arrive as [batch, tokens, features] with a calibrated global amax; big enough to fuse.
+    torch.manual_seed(1)
+    x = torch.randn(4, 119, 576) * torch.logspace(-3, 1, 576)
+    assert x.numel() >= fakequant.FUSED_MIN_VALUES
+    amax = x.abs().amax() * 1.3
+    assert torch.equal(fakequant.nvfp4_fake_quant(x, 16, amax), NVFP4["eager"](x, 16, amax))
+    assert torch.equal(fakequant.mxfp4_fake_quant(x, 32), MXFP4["eager"](x, 32))
+    assert fakequant._fusing[0], "the fused path fell back to eager torch on this machine"
 
 
 def test_nvfp4_uses_a_calibrated_global_amax_not_the_tensors_own() -> None:

@@ -19,6 +19,8 @@ from tests.tiny import save_adapter
 from .helpers import run_tiny
 
 AWQ = {"algorithm": {"method": "awq_lite", "alpha_step": 0.25}, "mutates_weights": True, "folds_pre_quant_scale": True}
+# The config's own calibration (max, or the MSE sweep its name says), no AWQ.
+OWN = {"algorithm": None, "mutates_weights": False, "folds_pre_quant_scale": False}
 
 
 def variant(fmt: str, **changes: Any) -> Recipe:
@@ -88,9 +90,9 @@ def test_an_awq_run_stopped_midway_resumes_to_the_same_bytes(tmp_path: Path, tok
 @pytest.mark.parametrize(
     "changes",
     [
-        {"modelopt_config": "NVFP4_W4A4_WEIGHT_MSE_FP8_SWEEP_CFG"},
-        {"modelopt_config": "NVFP4_FOUR_OVER_SIX_CFG"},
-        {"modelopt_config": "NVFP4_W4A4_WEIGHT_MSE_FP8_SWEEP_CFG", "algorithm": {"method": "gptq"}, "mutates_weights": True},
+        {**OWN, "modelopt_config": "NVFP4_W4A4_WEIGHT_MSE_FP8_SWEEP_CFG"},
+        {**OWN, "modelopt_config": "NVFP4_FOUR_OVER_SIX_CFG"},
+        {**OWN, "modelopt_config": "NVFP4_W4A4_WEIGHT_MSE_FP8_SWEEP_CFG", "algorithm": {"method": "gptq"}, "mutates_weights": True},
     ],
     ids=["mse", "four-over-six", "gptq"],
 )

@@ -32,6 +32,9 @@ def service_paths(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
         QUEUE_PREFIX=f"fp4test-{uuid.uuid4().hex[:8]}",
         HEARTBEAT_TIMEOUT=6.0,  # roomy: a loaded 2-core CI machine must not look like a dead worker
         HEARTBEAT_INTERVAL=0.5,
+        # The production hasher costs ~0.5 s per password on a 2-core machine and every test signs
+        # people up; a cheap one first (PBKDF2 kept so hashes made by a subprocess still verify).
+        PASSWORD_HASHERS=["django.contrib.auth.hashers.MD5PasswordHasher", "django.contrib.auth.hashers.PBKDF2PasswordHasher"],
     ):
         yield root
 

@@ -69,6 +69,8 @@ def test_create_without_a_terminal_starts_at_once_and_watch_follows_it_to_comple
     assert lines[1] == f"Created job {job.id} (pending). Follow it with: fp4prep training fp4 get {job.id} --watch"
     statuses = [line for line in lines if line.startswith("Status: ")]
     assert statuses[-1] == "Status: completed" and "Status: running" in statuses
+    # The ending comes after the events that led to it.
+    assert result.stdout.index("Job completed") < result.stdout.index("Status: completed")
     for message in ("Merging the adapter", "Calibrating on the corpus", "Quantizing", "Exporting", "Validating", "Job completed"):
         assert message in result.stdout
     job.refresh_from_db()
