@@ -212,7 +212,7 @@ def write_model_card(output_dir: Path, lineage: dict[str, Any]) -> None:
         f"| adapter | `{lineage.get('adapter')}` |",
         f"| calibration file sha256 | `{lineage.get('calibration_sha256')}` |",
         f"| recipe | `{lineage['recipe']['name']}` ({lineage['recipe']['modelopt_config']}; calibration: "
-        f"{lineage['recipe'].get('calibration', 'max')}) |",
+        f"{lineage['recipe']['calibration']}) |",
         f"| top-1 agreement on the BF16 model's continuations | {parity.get('continuation_top1', 0):.4f} |",
         f"| top-1 agreement / mean KL (nats) on assistant turns | {parity.get('answer_top1', 0):.4f} / {parity.get('answer_kl', 0):.4f} |",
         f"| top-1 agreement / mean KL (nats) over whole conversations | {parity.get('top1_agreement', 0):.4f} / {parity.get('mean_kl', 0):.4f} |",
