@@ -33,7 +33,7 @@ from . import export as export_mod
 from . import limits, quantize, reader, streaming, validate
 from . import parity as parity_mod
 from .checkpoint import TensorSource, directory_bytes, read_config
-from .config import EVAL_FILE, PipelineConfig, PipelineResult, TaskReport
+from .config import EVAL_FILE, ParityReport, PipelineConfig, PipelineResult, TaskReport
 from .errors import Cancelled, InternalError, PipelineError, UserError
 from .merge import load_adapter
 from .progress import Progress
@@ -71,6 +71,29 @@ def run(config: PipelineConfig) -> PipelineResult:
             _clear(work)
     result.output_dir = config.output_dir
     return result
+
+
+def parity_of(config: PipelineConfig, checkpoint: Path) -> ParityReport:
+    """Parity of an existing ``checkpoint`` with the BF16 merged model of ``config``'s base and
+    adapter, on the held-back examples a run with ``config`` validates on (damage studies, audits)."""
+    tokenizer = _tokenizer(config.base_dir)
+    examples = corpus_mod.build(
+        tokenizer,
+        calibration_file=config.calibration_file,
+        general_text_file=config.general_text_file,
+        total_tokens=max(config.calibration_tokens, 2 * config.user_token_minimum),
+        sequence_length=config.sequence_length,
+        user_token_minimum=config.user_token_minimum,
+        holdout_fraction=config.holdout_fraction,
+        parity_prompts=config.parity_prompts,
+        seed=config.seed,
+    ).parity
+    compute = device_mod.resolve(config.device)
+    adapter = load_adapter(config.adapter_dir) if config.adapter_dir else None
+    merged = MergedWeights(TensorSource(config.base_dir), adapter, compute.dtype, compute.device)
+    reference = streaming.build(read_config(config.base_dir), merged, compute, config.base_dir)
+    candidate = reader.load(checkpoint, compute)
+    return parity_mod.token_parity(reference, candidate, examples, config.continuation_tokens)
 
 
 def _clear(directory: Path) -> None:

@@ -12,21 +12,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from fp4prep import demo
-from fp4prep.pipeline import (
-    PipelineConfig,
-    PipelineResult,
-    Thresholds,
-    corpus,
-    device,
-    reader,
-    run,
-    streaming,
-    validate,
-)
-from fp4prep.pipeline import parity as behaviour
-from fp4prep.pipeline.checkpoint import TensorSource, read_config
-from fp4prep.pipeline.merge import load_adapter
-from fp4prep.pipeline.weights import MergedWeights
+from fp4prep.pipeline import PipelineConfig, PipelineResult, Thresholds, run, validate
+from fp4prep.pipeline.runner import parity_of
 from registry.catalogue import CATALOGUE
 
 SMOLLM2 = next(e for e in CATALOGUE if e["slug"] == "smollm2-135m-instruct")
@@ -49,19 +36,9 @@ def prepared(assets: demo.DemoAssets, tmp_path_factory: pytest.TempPathFactory) 
 def parity_against_the_merged_model(assets: demo.DemoAssets, checkpoint: Path) -> Any:
     """Parity of ``checkpoint`` with the BF16 merged model on the held-back demo conversations,
     the examples and settings the pipeline's own validation uses."""
-    from transformers import AutoTokenizer
-
-    defaults = PipelineConfig(base_dir=assets.base_dir, output_dir=checkpoint)
-    tokenizer = AutoTokenizer.from_pretrained(assets.base_dir)
-    examples = corpus.build(
-        tokenizer, calibration_file=assets.calibration_file, general_text_file=None,
-        total_tokens=defaults.calibration_tokens, sequence_length=defaults.sequence_length, user_token_minimum=0,
-        holdout_fraction=defaults.holdout_fraction, parity_prompts=defaults.parity_prompts, seed=defaults.seed,
-    ).parity
-    compute = device.resolve("cpu")
-    merged = MergedWeights(TensorSource(assets.base_dir), load_adapter(assets.adapter_dir), compute.dtype, compute.device)
-    reference = streaming.build(read_config(assets.base_dir), merged, compute, assets.base_dir)
-    return behaviour.token_parity(reference, reader.load(checkpoint, compute), examples, defaults.continuation_tokens)
+    config = PipelineConfig(base_dir=assets.base_dir, output_dir=checkpoint, adapter_dir=assets.adapter_dir,
+                            calibration_file=assets.calibration_file, device="cpu")
+    return parity_of(config, checkpoint)
 
 
 def parity_misses(report: Any) -> list[str]:
