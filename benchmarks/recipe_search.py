@@ -33,6 +33,7 @@ AWQ_FOLDED = {"mutates_weights": True, "folds_pre_quant_scale": True}
 # ModelOpt's config as it is, with its own calibration: what the peers run by hand. "(default)"
 # rows are the baseline each format's calibration time is compared with.
 OWN = {"algorithm": None, "mutates_weights": False, "folds_pre_quant_scale": False}
+W4A16 = {"activations_quantized": False, "quant_algo": "W4A16_NVFP4"}
 # name -> (format, the changes to the format's recipe)
 CANDIDATES: dict[str, tuple[str, dict[str, Any]]] = {
     "nvfp4 max (default)": ("nvfp4", OWN),
@@ -46,9 +47,9 @@ CANDIDATES: dict[str, tuple[str, dict[str, Any]]] = {
     "nvfp4 AWQ-lite, folded (alpha step 1.0)": ("nvfp4", {"algorithm": {"method": "awq_lite", "alpha_step": 1.0}, **AWQ_FOLDED}),
     # Diagnostics, not candidates (the NVFP4 recipe is W4A4): activations left in BF16 show how much
     # of the answers' KL is the activations' own FP4 rounding, which no weight-side method touches.
-    "nvfp4 weights only, max (W4A16 diagnostic)": ("nvfp4", {**OWN, "activations_quantized": False}),
+    "nvfp4 weights only, max (W4A16 diagnostic)": ("nvfp4", {**OWN, **W4A16}),
     "nvfp4 weights only, AWQ-lite folded (alpha step 0.5) (W4A16 diagnostic)": (
-        "nvfp4", {"algorithm": {"method": "awq_lite", "alpha_step": 0.5}, **AWQ_FOLDED, "activations_quantized": False}),
+        "nvfp4", {"algorithm": {"method": "awq_lite", "alpha_step": 0.5}, **AWQ_FOLDED, **W4A16}),
     "mxfp4 max (default)": ("mxfp4", OWN),
     "mxfp4 AWQ-lite, folded (alpha step 0.25)": ("mxfp4", {"algorithm": {"method": "awq_lite", "alpha_step": 0.25}, **AWQ_FOLDED}),
     "mxfp4 AWQ-lite, folded (alpha step 0.5)": ("mxfp4", {"algorithm": {"method": "awq_lite", "alpha_step": 0.5}, **AWQ_FOLDED}),

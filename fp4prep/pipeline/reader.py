@@ -46,7 +46,7 @@ def detect_layout(config: dict[str, Any]) -> Layout:
     method = str(qc.get("quant_method", ""))
     if method == "modelopt":
         algo = str(qc.get("quant_algo", "")).upper()
-        if algo == "NVFP4":
+        if algo in ("NVFP4", "W4A16_NVFP4"):  # W4A16: the same weights, no input scales
             return Layout("nvfp4", "weight", False, False)
         if algo == "MXFP4":
             return Layout("mxfp4", "weight", False, True)

@@ -56,7 +56,7 @@ def structure(directory: Path, recipe: Recipe, bf16_bytes: int) -> list[str]:
         elif not torch.isfinite(scale.float()).all() or torch.any(scale.float() == 0):
             raise PipelineError(f"{module}: scales must be finite and non-zero")
         if recipe.name == "nvfp4":  # always ModelOpt's layout
-            for leaf in ("weight_scale_2", "input_scale"):
+            for leaf in ("weight_scale_2", "input_scale") if recipe.activations_quantized else ("weight_scale_2",):
                 key = f"{module}.{leaf}"
                 if key not in names:
                     raise PipelineError(f"{module}: {leaf} is missing")
