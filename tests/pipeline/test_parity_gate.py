@@ -3,6 +3,7 @@ lost the adapter, or has one corrupted layer, fails them on parity alone."""
 
 from __future__ import annotations
 
+import dataclasses
 import shutil
 from pathlib import Path
 from typing import Any
@@ -12,7 +13,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from fp4prep import demo
-from fp4prep.pipeline import PipelineConfig, PipelineResult, Thresholds, run, validate
+from fp4prep.pipeline import RECIPES, PipelineConfig, PipelineResult, Thresholds, run, validate
 from fp4prep.pipeline.runner import parity_of
 from registry.catalogue import CATALOGUE
 
@@ -57,8 +58,11 @@ def test_a_checkpoint_that_lost_the_adapter_fails_on_parity(assets: demo.DemoAss
     # Calibrated on less and self-checked on fewer prompts than a real run: what this test measures
     # is the parity against the merged model below.
     out = tmp_path / "base-only"
+    # Max calibration rather than the recipe's AWQ search, which would only cost time here.
+    max_calibrated = dataclasses.replace(RECIPES["nvfp4"], algorithm=None, mutates_weights=False, folds_pre_quant_scale=False)
     run(PipelineConfig(base_dir=assets.base_dir, output_dir=out, calibration_file=assets.calibration_file,
-                       calibration_tokens=2048, parity_prompts=4, quality_gate=False, device="cpu"))
+                       calibration_tokens=2048, parity_prompts=4, quality_gate=False, device="cpu",
+                       recipe=max_calibrated))
     missed = parity_misses(parity_against_the_merged_model(assets, out))
     assert any("continuations" in m for m in missed) and any("assistant turns" in m for m in missed), missed
 
