@@ -20,7 +20,7 @@ import json
 import logging
 import shutil
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -76,8 +76,20 @@ def run(config: PipelineConfig) -> PipelineResult:
 def parity_of(config: PipelineConfig, checkpoint: Path) -> ParityReport:
     """Parity of an existing ``checkpoint`` with the BF16 merged model of ``config``'s base and
     adapter, on the held-back examples a run with ``config`` validates on (damage studies, audits)."""
-    tokenizer = _tokenizer(config.base_dir)
-    examples = corpus_mod.build(
+    examples = _corpus(config, _tokenizer(config.base_dir)).parity
+    compute = device_mod.resolve(config.device)
+    adapter = load_adapter(config.adapter_dir) if config.adapter_dir else None
+    merged = MergedWeights(TensorSource(config.base_dir), adapter, compute.dtype, compute.device)
+    reference = streaming.build(read_config(config.base_dir), merged, compute, config.base_dir)
+    candidate = reader.load(checkpoint, compute)
+    return parity_mod.token_parity(reference, candidate, examples, config.continuation_tokens)
+
+
+def _corpus(
+    config: PipelineConfig, tokenizer: Any, report: Callable[[float], None] = lambda f: None
+) -> corpus_mod.Corpus:
+    """The calibration sequences and held-back parity examples ``config`` asks for."""
+    return corpus_mod.build(
         tokenizer,
         calibration_file=config.calibration_file,
         general_text_file=config.general_text_file,
@@ -87,13 +99,8 @@ def parity_of(config: PipelineConfig, checkpoint: Path) -> ParityReport:
         holdout_fraction=config.holdout_fraction,
         parity_prompts=config.parity_prompts,
         seed=config.seed,
-    ).parity
-    compute = device_mod.resolve(config.device)
-    adapter = load_adapter(config.adapter_dir) if config.adapter_dir else None
-    merged = MergedWeights(TensorSource(config.base_dir), adapter, compute.dtype, compute.device)
-    reference = streaming.build(read_config(config.base_dir), merged, compute, config.base_dir)
-    candidate = reader.load(checkpoint, compute)
-    return parity_mod.token_parity(reference, candidate, examples, config.continuation_tokens)
+        report=report,
+    )
 
 
 def _clear(directory: Path) -> None:
@@ -176,18 +183,7 @@ def _run(
         streaming.attach(model, merged, compute)
 
     with progress.stage("calibrating"):
-        corpus = corpus_mod.build(
-            tokenizer,
-            calibration_file=config.calibration_file,
-            general_text_file=config.general_text_file,
-            total_tokens=total,
-            sequence_length=config.sequence_length,
-            user_token_minimum=config.user_token_minimum,
-            holdout_fraction=config.holdout_fraction,
-            parity_prompts=config.parity_prompts,
-            seed=config.seed,
-            report=progress.sub(0.0, 0.1),
-        )
+        corpus = _corpus(config, tokenizer, progress.sub(0.0, 0.1))
         _claim_state(work, _fingerprint(config, compute, corpus.stats.calibration_sha256))
         if recipe.mutates_weights:
             merged.keep_written(work / WRITTEN_DIR)
