@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from . import fakequant
+from . import awq, fakequant
 from .device import Compute
 from .errors import PipelineError
 from .recipes import Recipe
@@ -158,6 +158,7 @@ def calibrate(
 
     if not compute.cuda:
         fakequant.register()
+    awq.register()
     n_layers = len(decoder_layers(model)[1])
     batches = [
         torch.stack(sequences[start : start + CALIBRATION_BATCH])
@@ -257,6 +258,7 @@ def restore_quantizers(model: torch.nn.Module, path: Path, compute: Compute) -> 
     from modelopt.torch.quantization.nn import TensorQuantizer
 
     fakequant.register()
+    awq.register()
     # Written by this pipeline into the job's own state directory, never user-supplied.
     state = torch.load(path, map_location=compute.device, weights_only=False)
     with quiet():
@@ -273,114 +275,3 @@ def restore_quantizers(model: torch.nn.Module, path: Path, compute: Compute) -> 
             else:
                 module.register_buffer(key, value)
     return state
-
-
-# Projections that read one norm's output, by the names the dense decoder layers we serve use, and
-# the projection whose input is another's output through an elementwise product (a gated MLP).
-NORM_GROUPS = (
-    ("input_layernorm", ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")),
-    ("post_attention_layernorm", ("mlp.gate_proj", "mlp.up_proj")),
-)
-ROW_FOLDS = (("mlp.down_proj", "mlp.up_proj"),)
-
-# Per quantized weight, what folding did to it: the stored weight is the merged one times
-# ``1 / in_scale`` per input column and times ``out_scale`` per output row.
-Factors = dict[str, dict[str, torch.Tensor]]
-
-
-def _pre_quant_scale(module: Any) -> torch.Tensor | None:
-    quantizer = getattr(module, "input_quantizer", None)
-    if quantizer is None or not getattr(quantizer, "_enable_pre_quant_scale", False):
-        return None
-    return getattr(quantizer, "_pre_quant_scale", None)
-
-
-def _drop_pre_quant_scale(module: Any, input_scale: torch.Tensor) -> None:
-    """Remove the module's pre_quant_scale; its input is now ``x * input_scale`` without it."""
-    quantizer = module.input_quantizer
-    raw = getattr(quantizer, "_amax_for_smoothing", None)
-    if quantizer.amax is not None and raw is not None:
-        quantizer.amax = (raw.to(input_scale.device).float() * input_scale.float()).amax().to(quantizer.amax.dtype)
-    delattr(quantizer, "_pre_quant_scale")
-    quantizer._enable_pre_quant_scale = False
-
-
-def _recalibrate_weight(module: Any) -> None:
-    from modelopt.torch.quantization.model_calib import max_calibrate
-
-    module.weight_quantizer.reset_amax()
-    max_calibrate(module, lambda m: m.weight_quantizer(m.weight))
-
-
-def _scale_weight(module: Any, rows: torch.Tensor | None = None, columns: torch.Tensor | None = None) -> None:
-    weight = module.weight.data.float()
-    if rows is not None:
-        weight = weight * rows.float().reshape(-1, 1)
-    if columns is not None:
-        weight = weight * columns.float().reshape(1, -1)
-    module.weight.data.copy_(weight.to(module.weight.dtype))
-
-
-@torch.no_grad()
-def fold_pre_quant_scales(model: torch.nn.Module) -> Factors:
-    """Fold AWQ's per-channel input scales away, so the checkpoint is plain NVFP4 / MXFP4.
-
-    AWQ leaves each projection with its weight divided by a per-input-channel scale and its input
-    multiplied by it (``pre_quant_scale``). vLLM's ModelOpt loader runs no ``pre_quant_scale``
-    (it takes NVFP4, not NVFP4_AWQ), so each one must go, exactly:
-
-    - a projection whose output feeds another through an elementwise product (``up_proj`` before
-      ``down_proj``) takes the second's scale on its output rows;
-    - projections that read one norm's output (q/k/v, gate/up) are resmoothed to their average
-      scale, which the norm's weight takes;
-    - any other (``o_proj``: under grouped-query attention its input channels are not ``v_proj``'s
-      rows one to one; experts) is undone: weight multiplied back, max-calibrated, as without AWQ.
-
-    One decoder layer is materialized at a time, and what changed is written back into the weights
-    map. Returns the factors the retention check needs to compare stored weights with merged ones.
-    """
-    from modelopt.torch.quantization.utils import enable_weight_access_and_writeback, is_quantized_linear
-
-    from .streaming import decoder_layers
-
-    layers_name, layers = decoder_layers(model)
-    name_to_module = dict(model.named_modules())
-    factors: Factors = {}
-    for index, layer in enumerate(layers):
-        scaled: dict[str, Any] = {n: m for n, m in layer.named_modules() if is_quantized_linear(m) and _pre_quant_scale(m) is not None}
-        if not scaled:
-            continue
-        prefix = f"{layers_name}.{index}."
-        with enable_weight_access_and_writeback(layer, model, name_to_module):
-            for source, target in ROW_FOLDS:
-                if source in scaled and target in dict(layer.named_modules()):
-                    scale = _pre_quant_scale(scaled[source]).float()  # type: ignore[union-attr]
-                    receiver = layer.get_submodule(target)
-                    _scale_weight(receiver, rows=scale)
-                    _recalibrate_weight(receiver)
-                    # down_proj's input is still x * scale, made inside up_proj now.
-                    _drop_pre_quant_scale(scaled.pop(source), scale)
-                    factors.setdefault(prefix + source + ".weight", {})["in_scale"] = scale.cpu()
-                    factors.setdefault(prefix + target + ".weight", {})["out_scale"] = scale.cpu()
-            for norm_name, group in NORM_GROUPS:
-                if not all(n in scaled for n in group):
-                    continue
-                norm: Any = layer.get_submodule(norm_name)
-                scales = [_pre_quant_scale(scaled[n]).float() for n in group]  # type: ignore[union-attr]
-                average = torch.stack(scales).mean(0)
-                for name, scale in zip(group, scales, strict=True):
-                    module = scaled.pop(name)
-                    _scale_weight(module, columns=scale / average)
-                    _recalibrate_weight(module)
-                    _drop_pre_quant_scale(module, average)
-                    factors.setdefault(prefix + name + ".weight", {})["in_scale"] = average.cpu()
-                norm.weight.data.copy_((norm.weight.data.float() * average).to(norm.weight.dtype))
-            for module in scaled.values():  # nothing to fold into: back as without AWQ
-                scale = _pre_quant_scale(module).float()  # type: ignore[union-attr]
-                _scale_weight(module, columns=scale)
-                _recalibrate_weight(module)
-                _drop_pre_quant_scale(module, torch.ones_like(scale))
-    left = [n for n, m in model.named_modules() if is_quantized_linear(m) and _pre_quant_scale(m) is not None]
-    if left:
-        raise PipelineError(f"pre_quant_scale left on {len(left)} modules after folding ({', '.join(left[:3])})")
-    return factors

@@ -1,0 +1,399 @@
+"""AWQ's per-channel scales for the checkpoint engines run: searched on it, then folded away.
+
+AWQ moves a per-input-channel scale ``s`` from a projection's activations into its weights
+(``x / s`` times ``W * s``), so that the channels that matter most quantize finely. Engines run
+plain NVFP4 / MXFP4 and no such scale, so fp4prep folds it into whatever makes the projection's
+input: the norm before q/k/v or gate/up (one scale for the whole group), or ``up_proj``'s rows
+for ``down_proj``. Two things follow that ModelOpt's ``awq_lite`` does not know, and ``fold_awq``
+(our calibration algorithm, registered with ModelOpt) does:
+
+- **One scale per fold group.** ``awq_lite`` picks q, k and v their own scales; folding can only
+  give them the average, which none of the three searches looked at. ``fold_awq`` searches one
+  scale for the group, on the group's outputs together.
+- **The loss of the model engines run.** ``awq_lite`` scores each candidate with the activations
+  left unquantized (W4A16); with NVFP4 activations the scale also changes how each 16-value
+  activation block rounds, and its global scale. ``fold_awq`` scores each candidate with weights
+  and activations quantized as the checkpoint and the engine do (the fake-quant functions the
+  independent reader is checked against), and keeps no scale at all where none beats that.
+
+Projections without a fold target (``o_proj`` under grouped-query attention, routed experts'
+gate/up) are max-calibrated, never searched. Each expert's ``down_proj`` folds into its own
+``up_proj``. Runs per decoder layer inside ModelOpt's layerwise calibration, on the layer it is
+given.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import torch
+
+from .errors import PipelineError
+
+logger = logging.getLogger(__name__)
+
+METHOD = "fold_awq"
+
+# Projections that read one norm's output, by the names the dense decoder layers we serve use; and
+# the projection whose input is another's output through an elementwise product (a gated MLP, a
+# shared expert or a routed one): ``<prefix>down_proj``'s scale goes to ``<prefix>up_proj``'s rows.
+NORM_GROUPS = (
+    ("input_layernorm", ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")),
+    ("post_attention_layernorm", ("mlp.gate_proj", "mlp.up_proj")),
+)
+ROW_SOURCE, ROW_TARGET = "down_proj", "up_proj"
+
+# Per quantized weight, what folding did to it: the stored weight is the merged one times
+# ``1 / in_scale`` per input column and times ``out_scale`` per output row.
+Factors = dict[str, dict[str, torch.Tensor]]
+
+
+def row_target(name: str) -> str | None:
+    """The projection whose output rows take ``name``'s input scale (``up_proj`` for ``down_proj``)."""
+    if name == ROW_SOURCE or name.endswith("." + ROW_SOURCE):
+        return name[: -len(ROW_SOURCE)] + ROW_TARGET
+    return None
+
+
+def register() -> None:
+    """Make ``fold_awq`` one of ModelOpt's calibration algorithms (idempotent). Needed before a
+    calibration that names it, and before restoring the state of a model calibrated with it."""
+    from modelopt.torch.opt.config import ModeloptField
+    from modelopt.torch.quantization.config import QuantizeAlgorithmConfig
+    from modelopt.torch.quantization.mode import BaseCalibrateModeDescriptor, CalibrateModeRegistry
+
+    if f"{METHOD}_calibrate" in CalibrateModeRegistry:
+        return
+
+    class FoldAwqConfig(QuantizeAlgorithmConfig):
+        """``fold_awq``: AWQ scales searched on the quantized model, one per fold group."""
+
+        method: Literal["fold_awq"] = ModeloptField("fold_awq")
+        alpha_step: float = ModeloptField(
+            default=0.25,
+            gt=0.0,
+            le=1.0,
+            title="Step of the AWQ exponent searched from 0 to 1.",
+            description="Candidates are s = act_scale**alpha / weight_scale**(1 - alpha), and no scale.",
+        )
+
+    class FoldAwqModeDescriptor(BaseCalibrateModeDescriptor):
+        @property
+        def config_class(self) -> type[QuantizeAlgorithmConfig]:
+            return FoldAwqConfig
+
+        _calib_func = search
+
+    CalibrateModeRegistry.register_mode(FoldAwqModeDescriptor)
+
+
+# --- the search -------------------------------------------------------------------------------
+
+Quantize = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (values, global amax) -> fake-quant
+
+
+def _fake_quant(quantizer: Any) -> tuple[Quantize | None, int]:
+    """What ``quantizer`` does to a tensor, in the checkpoint's arithmetic, and its block size.
+
+    ``None`` for a disabled quantizer (activations an engine leaves in BF16)."""
+    from . import fakequant
+
+    block_sizes = dict(quantizer.block_sizes or {})
+    block = int(block_sizes.get(-1) or 16)
+    if not quantizer.is_enabled:
+        return None, block
+    scale_bits = tuple(block_sizes.get("scale_bits") or ())
+    if tuple(quantizer.num_bits) != (2, 1) or scale_bits not in ((4, 3), (8, 0)):
+        raise PipelineError(
+            f"{METHOD} searches E2M1 block formats only, not num_bits={quantizer.num_bits} {block_sizes}"
+        )
+    if scale_bits == (8, 0):
+        return (lambda x, _amax: fakequant.mxfp4_fake_quant(x, block)), block
+    return (lambda x, amax: fakequant.nvfp4_fake_quant(x, block, amax)), block
+
+
+def weight_scale(weights: list[torch.Tensor], block: int) -> torch.Tensor:
+    """AWQ's per-input-channel weight statistic: each value relative to its block's largest,
+    averaged over every output row of the group."""
+    rows = torch.cat([w.float() for w in weights])
+    blocks = rows.abs().reshape(rows.shape[0], -1, block)
+    relative = blocks / (blocks.amax(dim=-1, keepdim=True) + torch.finfo(torch.float32).tiny)
+    return relative.reshape(rows.shape).mean(0)
+
+
+def awq_scale(act_scale: torch.Tensor, w_scale: torch.Tensor, alpha: float) -> torch.Tensor:
+    """``act_scale**alpha / w_scale**(1 - alpha)``, clamped and centred on 1 (geometrically)."""
+    s = (act_scale.pow(alpha) / (w_scale.pow(1 - alpha) + torch.finfo(torch.float32).tiny)).clamp(1e-4, 1e4)
+    return s / (s.max() * s.min()).sqrt()
+
+
+@dataclass
+class _Group:
+    """Projections that must share one input scale, and what the search learns about them."""
+
+    members: list[tuple[str, Any]]
+    fused: bool  # engines run the members as one GEMM with one weight global scale
+    abs_sum: torch.Tensor | None = None
+    amax: torch.Tensor | None = None
+    tokens: int = 0
+    # candidate -> the per-channel scale; candidate -> summed squared output error
+    scales: dict[str, torch.Tensor] = field(default_factory=dict)
+    losses: dict[str, float] = field(default_factory=dict)
+
+    def observe(self, x: torch.Tensor) -> None:
+        x = x.detach().reshape(-1, x.shape[-1]).float()
+        abs_sum, amax = x.abs().sum(0), x.abs().amax(0)
+        self.abs_sum = abs_sum if self.abs_sum is None else self.abs_sum + abs_sum
+        self.amax = amax if self.amax is None else torch.maximum(self.amax, amax)
+        self.tokens += x.shape[0]
+
+
+def fold_groups(layer: torch.nn.Module) -> list[_Group]:
+    """The groups of ``layer``'s quantized projections whose AWQ scale can be folded away."""
+    from modelopt.torch.quantization.utils import is_quantized_linear
+
+    def quantized(name: str) -> Any:
+        try:
+            module: Any = layer.get_submodule(name)
+        except AttributeError:
+            return None
+        return module if is_quantized_linear(module) and module.weight_quantizer.is_enabled else None
+
+    groups = []
+    for _norm, names in NORM_GROUPS:
+        members = [(n, quantized(n)) for n in names]
+        if all(m is not None for _, m in members):
+            groups.append(_Group(members, fused=True))
+    for name, _module in layer.named_modules():
+        target = row_target(name)
+        if target is not None and quantized(name) is not None and quantized(target) is not None:
+            groups.append(_Group([(name, quantized(name))], fused=False))
+    return groups
+
+
+@torch.no_grad()
+def search(
+    layer: torch.nn.Module,
+    forward_loop: Callable[[torch.nn.Module], None],
+    alpha_step: float = 0.25,
+    **unused: Any,
+) -> None:
+    """ModelOpt calibration function: max-calibrate ``layer``, then give each fold group the scale
+    (one of AWQ's, or none) whose quantized outputs are closest to the unquantized ones."""
+    from modelopt.torch.quantization.conversion import set_quantizer_by_cfg_context
+    from modelopt.torch.quantization.model_calib import apply_pre_quant_scale_and_smooth, max_calibrate
+
+    groups = fold_groups(layer)
+    handles = [
+        module.register_forward_pre_hook(lambda _m, args, g=group: g.observe(args[0]))
+        for group in groups
+        for _, module in group.members[:1]  # members read the same input
+    ]
+    try:
+        max_calibrate(layer, forward_loop)
+    finally:
+        for handle in handles:
+            handle.remove()
+    groups = [g for g in groups if g.tokens > 0]  # an expert no token reached keeps max
+    if not groups:
+        return
+
+    alphas = [round(a, 6) for a in torch.arange(0, 1 + alpha_step / 2, alpha_step).tolist()]
+    prepared = [_prepare(group, alphas) for group in groups]
+    with set_quantizer_by_cfg_context(layer, [{"quantizer_name": "*", "enable": False}]):
+        handles = [
+            module.register_forward_pre_hook(lambda _m, args, g=group, p=member: _score(g, p, args[0]))
+            for group, members in zip(groups, prepared, strict=True)
+            for module, member in members
+        ]
+        try:
+            forward_loop(layer)
+        finally:
+            for handle in handles:
+                handle.remove()
+    del prepared
+
+    for group in groups:
+        best = min(group.losses, key=group.losses.__getitem__)
+        logger.debug(
+            "%s: %s (output error %.4g of max calibration's)",
+            "+".join(n for n, _ in group.members),
+            best,
+            group.losses[best] / max(group.losses["none"], 1e-30),
+        )
+        if best == "none":
+            continue
+        scale = group.scales[best]
+        for _, module in group.members:
+            if module.input_quantizer.amax is not None:
+                # The per-channel maxima ModelOpt re-derives the global amax from when scales change.
+                module.input_quantizer._amax_for_smoothing = group.amax.cpu()  # type: ignore[union-attr]
+            apply_pre_quant_scale_and_smooth(module, (1.0 / scale).to(module.weight.device))
+
+
+@dataclass
+class _Member:
+    """One projection of a group during the search: its weight and every candidate, prepared."""
+
+    weight: torch.Tensor  # unquantized, float32
+    quantize_input: Quantize | None
+    # candidate name, 1 / s, the quantized W * s, the input's global amax after the scale
+    candidates: list[tuple[str, torch.Tensor, torch.Tensor, torch.Tensor | None]]
+
+
+def _prepare(group: _Group, alphas: list[float]) -> list[tuple[Any, _Member]]:
+    """Each member's candidates: the inverse scale, the quantized scaled weight, the input amax."""
+    first = group.members[0][1]
+    quantize_weight, block = _fake_quant(first.weight_quantizer)
+    quantize_input, _ = _fake_quant(first.input_quantizer)
+    assert quantize_weight is not None and group.abs_sum is not None and group.amax is not None
+    act = group.abs_sum / group.tokens
+    weights = [m.weight.detach().float() for _, m in group.members]
+    w_stat = weight_scale(weights, block)
+    group.scales = {"none": torch.ones_like(act)} | {
+        f"alpha {a:g}": awq_scale(act, w_stat, a) for a in alphas
+    }
+    group.losses = dict.fromkeys(group.scales, 0.0)
+    members = [_Member(w, quantize_input, []) for w in weights]
+    for name, scale in group.scales.items():
+        scaled = [w * scale for w in weights]
+        tops = [w.abs().amax() for w in scaled]
+        if group.fused:  # one GEMM in the engine, one weight global scale: the largest
+            tops = [torch.stack(tops).amax()] * len(tops)
+        input_amax = (group.amax / scale).amax() if quantize_input is not None else None
+        for member, w, top in zip(members, scaled, tops, strict=True):
+            member.candidates.append((name, 1.0 / scale, quantize_weight(w, top), input_amax))
+    return [(module, member) for (_, module), member in zip(group.members, members, strict=True)]
+
+
+def _score(group: _Group, member: _Member, x: torch.Tensor) -> None:
+    """Add each candidate's squared output error on the batch ``x`` to the group's losses."""
+    x = x.detach().reshape(-1, x.shape[-1]).float()
+    if x.shape[0] == 0:
+        return
+    reference = x @ member.weight.T
+    for name, inverse, weight_q, input_amax in member.candidates:
+        scaled = x * inverse
+        if member.quantize_input is not None:
+            scaled = member.quantize_input(scaled, input_amax)  # type: ignore[arg-type]
+        group.losses[name] += float((scaled @ weight_q.T - reference).pow(2).sum())
+
+
+# --- folding ------------------------------------------------------------------------------
+
+
+def _pre_quant_scale(module: Any) -> torch.Tensor | None:
+    quantizer = getattr(module, "input_quantizer", None)
+    if quantizer is None or not getattr(quantizer, "_enable_pre_quant_scale", False):
+        return None
+    return getattr(quantizer, "_pre_quant_scale", None)
+
+
+def _drop_pre_quant_scale(module: Any, input_scale: torch.Tensor) -> None:
+    """Remove the module's pre_quant_scale; its input is now ``x * input_scale`` without it."""
+    quantizer = module.input_quantizer
+    raw = getattr(quantizer, "_amax_for_smoothing", None)
+    if quantizer.amax is not None and raw is not None:
+        quantizer.amax = (
+            (raw.to(input_scale.device).float() * input_scale.float()).amax().to(quantizer.amax.dtype)
+        )
+    delattr(quantizer, "_pre_quant_scale")
+    quantizer._enable_pre_quant_scale = False
+
+
+def _recalibrate_weight(module: Any) -> None:
+    from modelopt.torch.quantization.model_calib import max_calibrate
+
+    module.weight_quantizer.reset_amax()
+    max_calibrate(module, lambda m: m.weight_quantizer(m.weight))
+
+
+def _scale_weight(module: Any, rows: torch.Tensor | None = None, columns: torch.Tensor | None = None) -> None:
+    weight = module.weight.data.float()
+    if rows is not None:
+        weight = weight * rows.float().reshape(-1, 1)
+    if columns is not None:
+        weight = weight * columns.float().reshape(1, -1)
+    module.weight.data.copy_(weight.to(module.weight.dtype))
+
+
+@torch.no_grad()
+def fold_pre_quant_scales(model: torch.nn.Module) -> Factors:
+    """Fold AWQ's per-channel input scales away, so the checkpoint is plain NVFP4 / MXFP4.
+
+    AWQ leaves each projection with its weight divided by a per-input-channel scale and its input
+    multiplied by it (``pre_quant_scale``). vLLM's ModelOpt loader runs no ``pre_quant_scale``
+    (it takes NVFP4, not NVFP4_AWQ), so each one must go, exactly:
+
+    - a projection whose output feeds another through an elementwise product (``up_proj`` before
+      ``down_proj``, in a dense MLP or an expert) takes the second's scale on its output rows;
+    - projections that read one norm's output (q/k/v, gate/up) are resmoothed to their average
+      scale, which the norm's weight takes;
+    - any other (``o_proj``: under grouped-query attention its input channels are not ``v_proj``'s
+      rows one to one; routed experts' gate/up, which share their norm with every other expert)
+      is undone: weight multiplied back, max-calibrated, as without AWQ.
+
+    One decoder layer is materialized at a time, and what changed is written back into the weights
+    map. Returns the factors the retention check needs to compare stored weights with merged ones.
+    """
+    from modelopt.torch.quantization.utils import enable_weight_access_and_writeback, is_quantized_linear
+
+    from .streaming import decoder_layers
+
+    layers_name, layers = decoder_layers(model)
+    name_to_module = dict(model.named_modules())
+    factors: Factors = {}
+    for index, layer in enumerate(layers):
+        scaled: dict[str, Any] = {
+            n: m
+            for n, m in layer.named_modules()
+            if is_quantized_linear(m) and _pre_quant_scale(m) is not None
+        }
+        if not scaled:
+            continue
+        prefix = f"{layers_name}.{index}."
+        with enable_weight_access_and_writeback(layer, model, name_to_module):
+            modules = dict(layer.named_modules())
+            for source in list(scaled):
+                target = row_target(source)
+                if target is not None and target in modules:
+                    scale = _pre_quant_scale(scaled[source]).float()  # type: ignore[union-attr]
+                    receiver = modules[target]
+                    _scale_weight(receiver, rows=scale)
+                    _recalibrate_weight(receiver)
+                    # down_proj's input is still x * scale, made inside up_proj now.
+                    _drop_pre_quant_scale(scaled.pop(source), scale)
+                    factors.setdefault(prefix + source + ".weight", {})["in_scale"] = scale.cpu()
+                    factors.setdefault(prefix + target + ".weight", {})["out_scale"] = scale.cpu()
+            for norm_name, group in NORM_GROUPS:
+                if not all(n in scaled for n in group):
+                    continue
+                norm: Any = layer.get_submodule(norm_name)
+                scales = [_pre_quant_scale(scaled[n]).float() for n in group]  # type: ignore[union-attr]
+                # fold_awq gives a group one scale: then it is the norm's, exactly.
+                average = (
+                    scales[0]
+                    if all(torch.equal(s, scales[0]) for s in scales)
+                    else torch.stack(scales).mean(0)
+                )
+                for name, scale in zip(group, scales, strict=True):
+                    module = scaled.pop(name)
+                    _scale_weight(module, columns=scale / average)
+                    _recalibrate_weight(module)
+                    _drop_pre_quant_scale(module, average)
+                    factors.setdefault(prefix + name + ".weight", {})["in_scale"] = average.cpu()
+                norm.weight.data.copy_((norm.weight.data.float() * average).to(norm.weight.dtype))
+            for module in scaled.values():  # nothing to fold into: back as without AWQ
+                scale = _pre_quant_scale(module).float()  # type: ignore[union-attr]
+                _scale_weight(module, columns=scale)
+                _recalibrate_weight(module)
+                _drop_pre_quant_scale(module, torch.ones_like(scale))
+    left = [n for n, m in model.named_modules() if is_quantized_linear(m) and _pre_quant_scale(m) is not None]
+    if left:
+        raise PipelineError(
+            f"pre_quant_scale left on {len(left)} modules after folding ({', '.join(left[:3])})"
+        )
+    return factors
