@@ -16,10 +16,10 @@ for ``down_proj``. Two things follow that ModelOpt's ``awq_lite`` does not know,
   and activations quantized as the checkpoint and the engine do (the fake-quant functions the
   independent reader is checked against), and keeps no scale at all where none beats that.
 
-Projections without a fold target (``o_proj`` under grouped-query attention, routed experts'
-gate/up) are max-calibrated, never searched. Each expert's ``down_proj`` folds into its own
-``up_proj``. Runs per decoder layer inside ModelOpt's layerwise calibration, on the layer it is
-given.
+``o_proj``'s scale goes to ``v_proj``'s rows, tied across the query heads that share a key-value
+head. Each expert's ``down_proj`` folds into its own ``up_proj``; routed experts' gate/up (their
+norm feeds every expert) are max-calibrated, never searched. Runs per decoder layer inside
+ModelOpt's layerwise calibration, on the layer it is given.
 """
 
 from __future__ import annotations
@@ -45,6 +45,9 @@ NORM_GROUPS = (
     ("post_attention_layernorm", ("mlp.gate_proj", "mlp.up_proj")),
 )
 ROW_SOURCE, ROW_TARGET = "down_proj", "up_proj"
+# The attention output's projection reads each head's weighted sum of values, so its scale can go to
+# ``v_proj``'s rows, if it is the same for the query heads that share a key-value head.
+HEAD_SOURCE, HEAD_TARGET = "self_attn.o_proj", "self_attn.v_proj"
 
 # Per quantized weight, what folding did to it: the stored weight is the merged one times
 # ``1 / in_scale`` per input column and times ``out_scale`` per output row.
@@ -56,6 +59,29 @@ def row_target(name: str) -> str | None:
     if name == ROW_SOURCE or name.endswith("." + ROW_SOURCE):
         return name[: -len(ROW_SOURCE)] + ROW_TARGET
     return None
+
+
+def head_tie(layer: torch.nn.Module) -> tuple[int, int, int] | None:
+    """``(key-value heads, query heads per key-value head, head size)`` of ``layer``'s attention, when
+    its output projection's input is laid out by query head (Llama-style attention)."""
+    attention = getattr(layer, "self_attn", None)
+    head_dim, groups = getattr(attention, "head_dim", None), getattr(attention, "num_key_value_groups", None)
+    try:
+        source: Any = layer.get_submodule(HEAD_SOURCE)
+        target: Any = layer.get_submodule(HEAD_TARGET)
+    except AttributeError:
+        return None
+    values, inputs = int(target.weight.shape[0]), int(source.weight.shape[1])
+    if not isinstance(head_dim, int) or not isinstance(groups, int) or values % head_dim:
+        return None
+    kv_heads = values // head_dim
+    return (kv_heads, groups, head_dim) if inputs == kv_heads * groups * head_dim else None
+
+
+def tied(scale: torch.Tensor, tie: tuple[int, int, int]) -> torch.Tensor:
+    """``scale`` made equal across the query heads of each key-value head (their geometric mean)."""
+    heads = scale.reshape(tie).log().mean(dim=1, keepdim=True).exp()
+    return heads.expand(tie).reshape(-1)
 
 
 def register() -> None:
@@ -136,6 +162,7 @@ class _Group:
 
     members: list[tuple[str, Any]]
     fused: bool  # engines run the members as one GEMM with one weight global scale
+    tie: tuple[int, int, int] | None = None  # the scale is shared by query heads (see ``head_tie``)
     abs_sum: torch.Tensor | None = None
     amax: torch.Tensor | None = None
     tokens: int = 0
@@ -171,6 +198,9 @@ def fold_groups(layer: torch.nn.Module) -> list[_Group]:
         target = row_target(name)
         if target is not None and quantized(name) is not None and quantized(target) is not None:
             groups.append(_Group([(name, quantized(name))], fused=False))
+    tie = head_tie(layer)
+    if tie is not None and quantized(HEAD_SOURCE) is not None and quantized(HEAD_TARGET) is not None:
+        groups.append(_Group([(HEAD_SOURCE, quantized(HEAD_SOURCE))], fused=False, tie=tie))
     return groups
 
 
@@ -253,9 +283,10 @@ def _prepare(group: _Group, alphas: list[float]) -> list[tuple[Any, _Member]]:
     act = group.abs_sum / group.tokens
     weights = [m.weight.detach().float() for _, m in group.members]
     w_stat = weight_scale(weights, block)
-    group.scales = {"none": torch.ones_like(act)} | {
-        f"alpha {a:g}": awq_scale(act, w_stat, a) for a in alphas
-    }
+    group.scales = {f"alpha {a:g}": awq_scale(act, w_stat, a) for a in alphas}
+    if group.tie is not None:
+        group.scales = {name: tied(scale, group.tie) for name, scale in group.scales.items()}
+    group.scales = {"none": torch.ones_like(act)} | group.scales
     group.losses = dict.fromkeys(group.scales, 0.0)
     members = [_Member(w, quantize_input, []) for w in weights]
     for name, scale in group.scales.items():
@@ -315,6 +346,8 @@ def _scale_weight(module: Any, rows: torch.Tensor | None = None, columns: torch.
     weight = module.weight.data.float()
     if rows is not None:
         weight = weight * rows.float().reshape(-1, 1)
+        if getattr(module, "bias", None) is not None:  # the row's output, bias included
+            module.bias.data.copy_((module.bias.data.float() * rows.float()).to(module.bias.dtype))
     if columns is not None:
         weight = weight * columns.float().reshape(1, -1)
     module.weight.data.copy_(weight.to(module.weight.dtype))
@@ -330,11 +363,12 @@ def fold_pre_quant_scales(model: torch.nn.Module) -> Factors:
 
     - a projection whose output feeds another through an elementwise product (``up_proj`` before
       ``down_proj``, in a dense MLP or an expert) takes the second's scale on its output rows;
+    - ``v_proj`` takes ``o_proj``'s on its rows, when the scale is the same for every query head
+      that reads one key-value head (``fold_awq`` searches it so);
     - projections that read one norm's output (q/k/v, gate/up) are resmoothed to their average
       scale, which the norm's weight takes;
-    - any other (``o_proj``: under grouped-query attention its input channels are not ``v_proj``'s
-      rows one to one; routed experts' gate/up, which share their norm with every other expert)
-      is undone: weight multiplied back, max-calibrated, as without AWQ.
+    - any other (``o_proj`` scaled per query head, as ``awq_lite`` does; routed experts' gate/up,
+      which share their norm with every other expert) is undone: weight multiplied back, max-calibrated, as without AWQ.
 
     One decoder layer is materialized at a time, and what changed is written back into the weights
     map. Returns the factors the retention check needs to compare stored weights with merged ones.
@@ -368,6 +402,19 @@ def fold_pre_quant_scales(model: torch.nn.Module) -> Factors:
                     _drop_pre_quant_scale(scaled.pop(source), scale)
                     factors.setdefault(prefix + source + ".weight", {})["in_scale"] = scale.cpu()
                     factors.setdefault(prefix + target + ".weight", {})["out_scale"] = scale.cpu()
+            tie = head_tie(layer)
+            if HEAD_SOURCE in scaled and tie is not None:
+                scale = _pre_quant_scale(scaled[HEAD_SOURCE]).float()  # type: ignore[union-attr]
+                if torch.equal(scale, tied(scale, tie)) or torch.allclose(
+                    scale, tied(scale, tie), rtol=1e-6, atol=0
+                ):
+                    rows = scale.reshape(tie)[:, 0, :].reshape(-1)
+                    receiver = modules[HEAD_TARGET]
+                    _scale_weight(receiver, rows=rows)
+                    _recalibrate_weight(receiver)
+                    _drop_pre_quant_scale(scaled.pop(HEAD_SOURCE), scale)
+                    factors.setdefault(prefix + HEAD_SOURCE + ".weight", {})["in_scale"] = scale.cpu()
+                    factors.setdefault(prefix + HEAD_TARGET + ".weight", {})["out_scale"] = rows.cpu()
             for norm_name, group in NORM_GROUPS:
                 if not all(n in scaled for n in group):
                     continue

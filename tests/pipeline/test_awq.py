@@ -25,7 +25,10 @@ class Attention(nn.Module):
 class Mlp(nn.Module):
     def __init__(self, width: int) -> None:
         super().__init__()
-        self.gate_proj, self.up_proj = nn.Linear(width, 2 * width, bias=False), nn.Linear(width, 2 * width, bias=False)
+        self.gate_proj, self.up_proj = (
+            nn.Linear(width, 2 * width, bias=False),
+            nn.Linear(width, 2 * width, bias=False),
+        )
         self.down_proj = nn.Linear(2 * width, width, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -74,7 +77,9 @@ def output_error(quantized: nn.Module, reference: nn.Module, batches: list[torch
 
 
 @pytest.mark.parametrize("outliers", [True, False], ids=["outlier-channels", "plain"])
-def test_the_search_never_does_worse_than_max_calibration_and_helps_where_channels_stand_out(outliers: bool) -> None:
+def test_the_search_never_does_worse_than_max_calibration_and_helps_where_channels_stand_out(
+    outliers: bool,
+) -> None:
     torch.manual_seed(0)
     reference = Layer()
     batches = activations(outliers=outliers)
@@ -89,13 +94,20 @@ def test_the_search_never_does_worse_than_max_calibration_and_helps_where_channe
 def test_a_fold_group_gets_one_scale_and_projections_without_a_fold_target_get_none() -> None:
     torch.manual_seed(0)
     layer = quantize(Layer(), {"method": "fold_awq", "alpha_step": 0.25}, activations())
-    scales = {name: m.input_quantizer.pre_quant_scale for name, m in layer.named_modules() if hasattr(m, "input_quantizer")}
+    scales = {
+        name: m.input_quantizer.pre_quant_scale
+        for name, m in layer.named_modules()
+        if hasattr(m, "input_quantizer")
+    }
     assert scales["self_attn.q_proj"] is not None  # the outlier channels make a scale worth it
     assert torch.equal(scales["self_attn.q_proj"], scales["self_attn.k_proj"])
     assert torch.equal(scales["self_attn.q_proj"], scales["self_attn.v_proj"])
     # The input's global amax follows the scaled activations, as folding into the norm will make them.
     q = layer.self_attn.q_proj
-    assert torch.allclose(q.input_quantizer.amax.float(), (q.input_quantizer._amax_for_smoothing * scales["self_attn.q_proj"]).amax().float())
+    assert torch.allclose(
+        q.input_quantizer.amax.float(),
+        (q.input_quantizer._amax_for_smoothing * scales["self_attn.q_proj"]).amax().float(),
+    )
 
 
 def test_row_targets_pair_every_down_proj_with_its_own_up_proj() -> None:
@@ -103,3 +115,17 @@ def test_row_targets_pair_every_down_proj_with_its_own_up_proj() -> None:
     assert awq.row_target("mlp.experts.7.down_proj") == "mlp.experts.7.up_proj"
     assert awq.row_target("mlp.shared_experts.down_proj") == "mlp.shared_experts.up_proj"
     assert awq.row_target("self_attn.o_proj") is None
+
+
+def test_the_attention_output_scale_is_tied_across_the_query_heads_of_one_key_value_head(
+    make_base: Any,
+) -> None:
+    from transformers import AutoModelForCausalLM
+
+    layer = AutoModelForCausalLM.from_pretrained(make_base("llama")).model.layers[0]
+    tie = awq.head_tie(layer)
+    assert tie == (2, 2, 16)  # 2 key-value heads, each read by 2 query heads, of 16 values
+    scale = torch.rand(64) + 0.5
+    shared = awq.tied(scale, tie).reshape(tie)
+    assert torch.equal(shared[:, 0], shared[:, 1])
+    assert torch.allclose(shared[0, 0], (scale.reshape(tie)[0].log().mean(0)).exp())
