@@ -46,9 +46,16 @@ CANDIDATES: dict[str, tuple[str, dict[str, Any]]] = {
     "nvfp4 AWQ-lite, folded (alpha step 0.5)": ("nvfp4", {"algorithm": {"method": "awq_lite", "alpha_step": 0.5}, **AWQ_FOLDED}),
     "nvfp4 AWQ-lite, folded (alpha step 1.0)": ("nvfp4", {"algorithm": {"method": "awq_lite", "alpha_step": 1.0}, **AWQ_FOLDED}),
     # fp4prep's own AWQ search (fp4prep/pipeline/awq.py): one scale per fold group, scored with
-    # weights and activations quantized as the engine runs them, no scale where none is better.
+    # weights and activations quantized as the engine runs them, no scale where none is better;
+    # candidates scored on 2048 evenly spread calibration tokens unless said otherwise.
     "nvfp4 fold_awq (alpha step 0.25)": ("nvfp4", {"algorithm": {"method": "fold_awq", "alpha_step": 0.25}, **AWQ_FOLDED}),
-    "nvfp4 fold_awq (alpha step 0.125)": ("nvfp4", {"algorithm": {"method": "fold_awq", "alpha_step": 0.125}, **AWQ_FOLDED}),
+    "nvfp4 fold_awq (alpha step 0.25, 1024 tokens scored)": (
+        "nvfp4", {"algorithm": {"method": "fold_awq", "alpha_step": 0.25, "scored_tokens": 1024}, **AWQ_FOLDED}),
+    "nvfp4 fold_awq (alpha step 0.25, every token scored)": (
+        "nvfp4", {"algorithm": {"method": "fold_awq", "alpha_step": 0.25, "scored_tokens": 10**9}, **AWQ_FOLDED}),
+    "nvfp4 fold_awq (alpha step 0.5)": ("nvfp4", {"algorithm": {"method": "fold_awq", "alpha_step": 0.5}, **AWQ_FOLDED}),
+    "nvfp4 fold_awq (alpha step 0.25, o_proj folded into v_proj)": (
+        "nvfp4", {"algorithm": {"method": "fold_awq", "alpha_step": 0.25, "fold_attention_output": True}, **AWQ_FOLDED}),
     # Diagnostics, not candidates (the NVFP4 recipe is W4A4): activations left in BF16 show how much
     # of the answers' KL is the activations' own FP4 rounding, which no weight-side method touches.
     "nvfp4 weights only, max (W4A16 diagnostic)": ("nvfp4", {**OWN, **W4A16}),

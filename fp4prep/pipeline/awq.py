@@ -16,10 +16,11 @@ for ``down_proj``. Two things follow that ModelOpt's ``awq_lite`` does not know,
   and activations quantized as the checkpoint and the engine do (the fake-quant functions the
   independent reader is checked against), and keeps no scale at all where none beats that.
 
-``o_proj``'s scale goes to ``v_proj``'s rows, tied across the query heads that share a key-value
-head. Each expert's ``down_proj`` folds into its own ``up_proj``; routed experts' gate/up (their
-norm feeds every expert) are max-calibrated, never searched. Runs per decoder layer inside
-ModelOpt's layerwise calibration, on the layer it is given.
+Each expert's ``down_proj`` folds into its own ``up_proj``; routed experts' gate/up (their norm
+feeds every expert) are max-calibrated, never searched. With ``fold_attention_output``, ``o_proj``'s
+scale is searched too, tied across the query heads that share a key-value head, and goes to
+``v_proj``'s rows. Runs per decoder layer inside ModelOpt's layerwise calibration, on the layer it
+is given.
 """
 
 from __future__ import annotations
@@ -105,6 +106,17 @@ def register() -> None:
             title="Step of the AWQ exponent searched from 0 to 1.",
             description="Candidates are s = act_scale**alpha / weight_scale**(1 - alpha), and no scale.",
         )
+        fold_attention_output: bool = ModeloptField(
+            default=False,
+            title="Also search o_proj's scale, tied across query heads, and fold it into v_proj's rows.",
+            description="Off by default: on the demo adapters it lowered o_proj's own error and raised the answers' KL.",
+        )
+        scored_tokens: int = ModeloptField(
+            default=2048,
+            gt=0,
+            title="About how many calibration tokens each candidate is scored on.",
+            description="Every n-th token of each batch, so that about this many are scored in all.",
+        )
 
     class FoldAwqModeDescriptor(BaseCalibrateModeDescriptor):
         @property
@@ -178,7 +190,7 @@ class _Group:
         self.tokens += x.shape[0]
 
 
-def fold_groups(layer: torch.nn.Module) -> list[_Group]:
+def fold_groups(layer: torch.nn.Module, attention_output: bool = False) -> list[_Group]:
     """The groups of ``layer``'s quantized projections whose AWQ scale can be folded away."""
     from modelopt.torch.quantization.utils import is_quantized_linear
 
@@ -198,7 +210,7 @@ def fold_groups(layer: torch.nn.Module) -> list[_Group]:
         target = row_target(name)
         if target is not None and quantized(name) is not None and quantized(target) is not None:
             groups.append(_Group([(name, quantized(name))], fused=False))
-    tie = head_tie(layer)
+    tie = head_tie(layer) if attention_output else None
     if tie is not None and quantized(HEAD_SOURCE) is not None and quantized(HEAD_TARGET) is not None:
         groups.append(_Group([(HEAD_SOURCE, quantized(HEAD_SOURCE))], fused=False, tie=tie))
     return groups
@@ -209,14 +221,20 @@ def search(
     layer: torch.nn.Module,
     forward_loop: Callable[[torch.nn.Module], None],
     alpha_step: float = 0.25,
+    scored_tokens: int = 2048,
+    fold_attention_output: bool = False,
     **unused: Any,
 ) -> None:
     """ModelOpt calibration function: max-calibrate ``layer``, then give each fold group the scale
-    (one of AWQ's, or none) whose quantized outputs are closest to the unquantized ones."""
+    (one of AWQ's, or none) whose quantized outputs are closest to the unquantized ones.
+
+    The statistics the candidates come from see every calibration token; the candidates are scored
+    on about ``scored_tokens`` of them, evenly spread (every n-th token of each batch), which is
+    what the search costs."""
     from modelopt.torch.quantization.conversion import set_quantizer_by_cfg_context
     from modelopt.torch.quantization.model_calib import apply_pre_quant_scale_and_smooth, max_calibrate
 
-    groups = fold_groups(layer)
+    groups = fold_groups(layer, attention_output=fold_attention_output)
     handles = [
         module.register_forward_pre_hook(lambda _m, args, g=group: g.observe(args[0]))
         for group in groups
@@ -232,12 +250,13 @@ def search(
         return
 
     alphas = [round(a, 6) for a in torch.arange(0, 1 + alpha_step / 2, alpha_step).tolist()]
-    prepared = [_prepare(group, alphas) for group in groups]
+    prepared = [_prepare(group, alphas, scored_tokens) for group in groups]
     with set_quantizer_by_cfg_context(layer, [{"quantizer_name": "*", "enable": False}]):
         handles = [
-            module.register_forward_pre_hook(lambda _m, args, g=group, p=member: _score(g, p, args[0]))
-            for group, members in zip(groups, prepared, strict=True)
-            for module, member in members
+            group.members[0][1].register_forward_pre_hook(
+                lambda _m, args, g=group, p=ready: _score(g, p, args[0])
+            )
+            for group, ready in zip(groups, prepared, strict=True)
         ]
         try:
             forward_loop(layer)
@@ -265,17 +284,17 @@ def search(
 
 
 @dataclass
-class _Member:
-    """One projection of a group during the search: its weight and every candidate, prepared."""
+class _Prepared:
+    """A group's candidates, ready to score: per candidate ``1 / s``, the input's global amax after
+    the scale and each member's quantized ``W * s``."""
 
-    weight: torch.Tensor  # unquantized, float32
+    weights: list[torch.Tensor]  # the members' unquantized weights, float32
     quantize_input: Quantize | None
-    # candidate name, 1 / s, the quantized W * s, the input's global amax after the scale
-    candidates: list[tuple[str, torch.Tensor, torch.Tensor, torch.Tensor | None]]
+    stride: int  # every stride-th token of a batch is scored
+    candidates: list[tuple[str, torch.Tensor, torch.Tensor | None, list[torch.Tensor]]]
 
 
-def _prepare(group: _Group, alphas: list[float]) -> list[tuple[Any, _Member]]:
-    """Each member's candidates: the inverse scale, the quantized scaled weight, the input amax."""
+def _prepare(group: _Group, alphas: list[float], scored_tokens: int) -> _Prepared:
     first = group.members[0][1]
     quantize_weight, block = _fake_quant(first.weight_quantizer)
     quantize_input, _ = _fake_quant(first.input_quantizer)
@@ -288,29 +307,32 @@ def _prepare(group: _Group, alphas: list[float]) -> list[tuple[Any, _Member]]:
         group.scales = {name: tied(scale, group.tie) for name, scale in group.scales.items()}
     group.scales = {"none": torch.ones_like(act)} | group.scales
     group.losses = dict.fromkeys(group.scales, 0.0)
-    members = [_Member(w, quantize_input, []) for w in weights]
+    prepared = _Prepared(weights, quantize_input, max(1, group.tokens // scored_tokens), [])
     for name, scale in group.scales.items():
         scaled = [w * scale for w in weights]
         tops = [w.abs().amax() for w in scaled]
         if group.fused:  # one GEMM in the engine, one weight global scale: the largest
             tops = [torch.stack(tops).amax()] * len(tops)
         input_amax = (group.amax / scale).amax() if quantize_input is not None else None
-        for member, w, top in zip(members, scaled, tops, strict=True):
-            member.candidates.append((name, 1.0 / scale, quantize_weight(w, top), input_amax))
-    return [(module, member) for (_, module), member in zip(group.members, members, strict=True)]
+        quantized = [quantize_weight(w, top) for w, top in zip(scaled, tops, strict=True)]
+        prepared.candidates.append((name, 1.0 / scale, input_amax, quantized))
+    return prepared
 
 
-def _score(group: _Group, member: _Member, x: torch.Tensor) -> None:
-    """Add each candidate's squared output error on the batch ``x`` to the group's losses."""
-    x = x.detach().reshape(-1, x.shape[-1]).float()
+def _score(group: _Group, prepared: _Prepared, x: torch.Tensor) -> None:
+    """Add each candidate's squared error on the group's outputs for the batch ``x`` to its loss."""
+    x = x.detach().reshape(-1, x.shape[-1])[:: prepared.stride].float()
     if x.shape[0] == 0:
         return
-    reference = x @ member.weight.T
-    for name, inverse, weight_q, input_amax in member.candidates:
+    references = [x @ w.T for w in prepared.weights]
+    for name, inverse, input_amax, quantized in prepared.candidates:
         scaled = x * inverse
-        if member.quantize_input is not None:
-            scaled = member.quantize_input(scaled, input_amax)  # type: ignore[arg-type]
-        group.losses[name] += float((scaled @ weight_q.T - reference).pow(2).sum())
+        if prepared.quantize_input is not None:
+            scaled = prepared.quantize_input(scaled, input_amax)  # type: ignore[arg-type]
+        group.losses[name] += sum(
+            float((scaled @ w.T - reference).pow(2).sum())
+            for w, reference in zip(quantized, references, strict=True)
+        )
 
 
 # --- folding ------------------------------------------------------------------------------

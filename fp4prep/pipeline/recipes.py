@@ -40,7 +40,7 @@ class Recipe:
     weight_bits: float  # storage bits per quantized weight, scales included
     activations_quantized: bool
     thresholds: Thresholds
-    # ModelOpt's calibration algorithm, when it is not the config's own (e.g. awq_lite).
+    # ModelOpt's calibration algorithm, when it is not the config's own (awq_lite, or our fold_awq).
     algorithm: dict[str, Any] | None = None
     # The algorithm changes weights (AWQ smooths them): layerwise calibration writes each layer
     # back, and the stored weights are no longer the merged ones.
@@ -88,9 +88,10 @@ RECIPES: dict[str, Recipe] = {
         quant_algo="NVFP4",
         weight_bits=4.5,
         activations_quantized=True,
-        # AWQ-lite (alpha step 0.5): per-channel scales searched on the calibration corpus, folded
-        # into the preceding norms and projections so that engines run plain NVFP4.
-        algorithm={"method": "awq_lite", "alpha_step": 0.5},
+        # fold_awq (pipeline/awq.py): AWQ's per-channel scales, one per fold group, searched on the
+        # W4A4 outputs engines compute, then folded into the preceding norms and projections so
+        # that engines run plain NVFP4.
+        algorithm={"method": "fold_awq", "alpha_step": 0.25},
         mutates_weights=True,
         folds_pre_quant_scale=True,
         thresholds=Thresholds(

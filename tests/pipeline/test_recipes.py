@@ -21,6 +21,8 @@ from .helpers import run_tiny
 AWQ = {"algorithm": {"method": "fold_awq", "alpha_step": 0.25}, "mutates_weights": True, "folds_pre_quant_scale": True}
 # ModelOpt's own AWQ: a scale per projection, so folding averages the norm groups' and undoes o_proj's.
 AWQ_LITE = {**AWQ, "algorithm": {"method": "awq_lite", "alpha_step": 0.5}}
+# o_proj's scale too, tied across query heads and folded into v_proj's rows.
+AWQ_HEADS = {**AWQ, "algorithm": {**AWQ["algorithm"], "fold_attention_output": True}}
 # The config's own calibration (max, or the MSE sweep its name says), no AWQ.
 OWN = {"algorithm": None, "mutates_weights": False, "folds_pre_quant_scale": False}
 
@@ -38,8 +40,14 @@ def stored(directory: Path) -> dict[str, torch.Tensor]:
 
 @pytest.mark.parametrize(
     ("arch", "fmt", "awq"),
-    [("llama", "nvfp4", AWQ), ("glm4_moe", "nvfp4", AWQ), ("llama", "mxfp4", AWQ), ("llama", "nvfp4", AWQ_LITE)],
-    ids=["llama-nvfp4", "glm4_moe-nvfp4", "llama-mxfp4", "llama-nvfp4-awq_lite"],
+    [
+        ("llama", "nvfp4", AWQ),
+        ("glm4_moe", "nvfp4", AWQ),
+        ("llama", "mxfp4", AWQ),
+        ("llama", "nvfp4", AWQ_LITE),
+        ("llama", "nvfp4", AWQ_HEADS),
+    ],
+    ids=["llama-nvfp4", "glm4_moe-nvfp4", "llama-mxfp4", "llama-nvfp4-awq_lite", "llama-nvfp4-o_proj"],
 )
 def test_awq_scales_are_folded_away_and_the_checkpoint_is_the_plain_format(
     make_base: Any, tmp_path: Path, calibration_file: Path, arch: str, fmt: str, awq: dict[str, Any]

@@ -83,7 +83,7 @@ def test_it_prepares_a_checkpoint_engines_load_as_is(
     assert len(lineage["calibration_sha256"]) == 64
     assert lineage["recipe"]["name"] == quantization
     # How it was calibrated is on record and in the model card: NVFP4 by AWQ, the others by max.
-    expected = {"nvfp4": "awq_lite (alpha step 0.5), scales folded into the preceding norms and projections"}
+    expected = {"nvfp4": "fold_awq (alpha step 0.25), scales folded into the preceding norms and projections"}
     assert lineage["recipe"]["calibration"] == expected.get(quantization, "max")
     assert f"calibration: {lineage['recipe']['calibration']}" in (out / "README.md").read_text()
     assert lineage["tools"]["nvidia-modelopt"] == importlib.metadata.version("nvidia-modelopt")
