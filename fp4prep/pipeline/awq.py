@@ -375,6 +375,19 @@ def _scale_weight(module: Any, rows: torch.Tensor | None = None, columns: torch.
     module.weight.data.copy_(weight.to(module.weight.dtype))
 
 
+def _fold_into_rows(
+    source: Any, target: Any, rows: torch.Tensor, source_name: str, target_name: str, factors: Factors
+) -> None:
+    """``source``'s pre_quant_scale goes to ``target``'s output rows (``rows``: that scale as
+    ``target``'s rows see it); ``source``'s input is still ``x * scale``, made by ``target`` now."""
+    scale = _pre_quant_scale(source).float()  # type: ignore[union-attr]
+    _scale_weight(target, rows=rows)
+    _recalibrate_weight(target)
+    _drop_pre_quant_scale(source, scale)
+    factors.setdefault(source_name + ".weight", {})["in_scale"] = scale.cpu()
+    factors.setdefault(target_name + ".weight", {})["out_scale"] = rows.cpu()
+
+
 @torch.no_grad()
 def fold_pre_quant_scales(model: torch.nn.Module) -> Factors:
     """Fold AWQ's per-channel input scales away, so the checkpoint is plain NVFP4 / MXFP4.
@@ -416,27 +429,17 @@ def fold_pre_quant_scales(model: torch.nn.Module) -> Factors:
             for source in list(scaled):
                 target = row_target(source)
                 if target is not None and target in modules:
-                    scale = _pre_quant_scale(scaled[source]).float()  # type: ignore[union-attr]
-                    receiver = modules[target]
-                    _scale_weight(receiver, rows=scale)
-                    _recalibrate_weight(receiver)
-                    # down_proj's input is still x * scale, made inside up_proj now.
-                    _drop_pre_quant_scale(scaled.pop(source), scale)
-                    factors.setdefault(prefix + source + ".weight", {})["in_scale"] = scale.cpu()
-                    factors.setdefault(prefix + target + ".weight", {})["out_scale"] = scale.cpu()
+                    rows = _pre_quant_scale(scaled[source]).float()  # type: ignore[union-attr]
+                    _fold_into_rows(
+                        scaled.pop(source), modules[target], rows, prefix + source, prefix + target, factors
+                    )
             tie = head_tie(layer)
             if HEAD_SOURCE in scaled and tie is not None:
                 scale = _pre_quant_scale(scaled[HEAD_SOURCE]).float()  # type: ignore[union-attr]
-                if torch.equal(scale, tied(scale, tie)) or torch.allclose(
-                    scale, tied(scale, tie), rtol=1e-6, atol=0
-                ):
-                    rows = scale.reshape(tie)[:, 0, :].reshape(-1)
-                    receiver = modules[HEAD_TARGET]
-                    _scale_weight(receiver, rows=rows)
-                    _recalibrate_weight(receiver)
-                    _drop_pre_quant_scale(scaled.pop(HEAD_SOURCE), scale)
-                    factors.setdefault(prefix + HEAD_SOURCE + ".weight", {})["in_scale"] = scale.cpu()
-                    factors.setdefault(prefix + HEAD_TARGET + ".weight", {})["out_scale"] = rows.cpu()
+                if torch.allclose(scale, tied(scale, tie), rtol=1e-6, atol=0):
+                    rows = scale.reshape(tie)[:, 0, :].reshape(-1)  # one per key-value head's channel
+                    o_proj, v_proj = scaled.pop(HEAD_SOURCE), modules[HEAD_TARGET]
+                    _fold_into_rows(o_proj, v_proj, rows, prefix + HEAD_SOURCE, prefix + HEAD_TARGET, factors)
             for norm_name, group in NORM_GROUPS:
                 if not all(n in scaled for n in group):
                     continue

@@ -129,3 +129,28 @@ def test_the_attention_output_scale_is_tied_across_the_query_heads_of_one_key_va
     shared = awq.tied(scale, tie).reshape(tie)
     assert torch.equal(shared[:, 0], shared[:, 1])
     assert torch.allclose(shared[0, 0], (scale.reshape(tie)[0].log().mean(0)).exp())
+
+
+def test_folding_o_projs_tied_scale_into_v_proj_leaves_the_models_function_unchanged(make_base: Any) -> None:
+    import modelopt.torch.quantization as mtq
+    from modelopt.torch.quantization.conversion import set_quantizer_by_cfg_context
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(make_base("llama"), dtype=torch.float32)
+    reference = copy.deepcopy(model)
+    fakequant.register()
+    awq.register()
+    config = RECIPES["nvfp4"].quant_config(use_cpu_backend=True)
+    config["algorithm"] = {"method": "fold_awq", "fold_attention_output": True, "layerwise": {"enable": True}}
+    tokens = torch.randint(0, model.config.vocab_size, (4, 32), generator=torch.Generator().manual_seed(0))
+    mtq.quantize(model, config, lambda m: m(tokens))
+    factors = awq.fold_pre_quant_scales(model)
+    assert [n for n, f in factors.items() if n.endswith("self_attn.v_proj.weight") and "out_scale" in f], (
+        factors.keys()
+    )
+    # Folding moves scales between weights and norms: with the quantizers off, the model it leaves is
+    # the unquantized one, to float32 rounding (quantized, the moved scales round differently).
+    with torch.no_grad(), set_quantizer_by_cfg_context(model, [{"quantizer_name": "*", "enable": False}]):
+        folded = model(tokens).logits
+        original = reference(tokens).logits
+    assert torch.allclose(folded, original, rtol=1e-4, atol=1e-5), (folded - original).abs().max()
