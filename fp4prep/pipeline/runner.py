@@ -27,10 +27,10 @@ from typing import Any
 
 import torch
 
-from . import awq, limits, quantize, reader, streaming, validate
 from . import corpus as corpus_mod
 from . import device as device_mod
 from . import export as export_mod
+from . import fold, limits, quantize, reader, streaming, validate
 from . import parity as parity_mod
 from .checkpoint import TensorSource, directory_bytes, read_config
 from .config import EVAL_FILE, ParityReport, PipelineConfig, PipelineResult, TaskReport
@@ -189,7 +189,7 @@ def _run(
             merged.keep_written(work / WRITTEN_DIR)
         calibrated = work / CALIBRATED_FILE
         resumed_from: int | None = None
-        factors: awq.Factors = {}
+        factors: fold.Factors = {}
         if calibrated.is_file():
             restored = quantize.restore_quantizers(model, calibrated, compute)
             expert_tokens, factors = restored["expert_tokens"], restored.get("fold_factors", {})
@@ -208,7 +208,7 @@ def _run(
     with progress.stage("quantizing"):
         if not calibrated.is_file():
             if recipe.folds_pre_quant_scale:
-                factors = awq.fold_pre_quant_scales(model)
+                factors = fold.fold_pre_quant_scales(model)
             quantize.share_fused_scales(model)
             quantize.save_quantizers(model, calibrated, {"expert_tokens": expert_tokens, "fold_factors": factors})
             shutil.rmtree(work / quantize.CALIBRATION_DIR, ignore_errors=True)

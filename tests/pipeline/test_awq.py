@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch import nn
 
-from fp4prep.pipeline import awq, fakequant
+from fp4prep.pipeline import awq, fakequant, fold
 from fp4prep.pipeline.recipes import RECIPES
 
 
@@ -111,10 +111,10 @@ def test_a_fold_group_gets_one_scale_and_projections_without_a_fold_target_get_n
 
 
 def test_row_targets_pair_every_down_proj_with_its_own_up_proj() -> None:
-    assert awq.row_target("mlp.down_proj") == "mlp.up_proj"
-    assert awq.row_target("mlp.experts.7.down_proj") == "mlp.experts.7.up_proj"
-    assert awq.row_target("mlp.shared_experts.down_proj") == "mlp.shared_experts.up_proj"
-    assert awq.row_target("self_attn.o_proj") is None
+    assert fold.row_target("mlp.down_proj") == "mlp.up_proj"
+    assert fold.row_target("mlp.experts.7.down_proj") == "mlp.experts.7.up_proj"
+    assert fold.row_target("mlp.shared_experts.down_proj") == "mlp.shared_experts.up_proj"
+    assert fold.row_target("self_attn.o_proj") is None
 
 
 def test_the_attention_output_scale_is_tied_across_the_query_heads_of_one_key_value_head(
@@ -123,10 +123,10 @@ def test_the_attention_output_scale_is_tied_across_the_query_heads_of_one_key_va
     from transformers import AutoModelForCausalLM
 
     layer = AutoModelForCausalLM.from_pretrained(make_base("llama")).model.layers[0]
-    tie = awq.head_tie(layer)
+    tie = fold.head_tie(layer)
     assert tie == (2, 2, 16)  # 2 key-value heads, each read by 2 query heads, of 16 values
     scale = torch.rand(64) + 0.5
-    shared = awq.tied(scale, tie).reshape(tie)
+    shared = fold.tied(scale, tie).reshape(tie)
     assert torch.equal(shared[:, 0], shared[:, 1])
     assert torch.allclose(shared[0, 0], (scale.reshape(tie)[0].log().mean(0)).exp())
 
@@ -144,7 +144,7 @@ def test_folding_o_projs_tied_scale_into_v_proj_leaves_the_models_function_uncha
     config["algorithm"] = {"method": "fold_awq", "fold_attention_output": True, "layerwise": {"enable": True}}
     tokens = torch.randint(0, model.config.vocab_size, (4, 32), generator=torch.Generator().manual_seed(0))
     mtq.quantize(model, config, lambda m: m(tokens))
-    factors = awq.fold_pre_quant_scales(model)
+    factors = fold.fold_pre_quant_scales(model)
     assert [n for n, f in factors.items() if n.endswith("self_attn.v_proj.weight") and "out_scale" in f], (
         factors.keys()
     )
