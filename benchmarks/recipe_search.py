@@ -34,6 +34,9 @@ AWQ_FOLDED = {"mutates_weights": True, "folds_pre_quant_scale": True}
 # rows are the baseline each format's calibration time is compared with.
 OWN = {"algorithm": None, "mutates_weights": False, "folds_pre_quant_scale": False}
 W4A16 = {"activations_quantized": False, "quant_algo": "W4A16_NVFP4"}
+STATIC = {"modelopt_config": "NVFP4_W4A4_WEIGHT_MSE_FP8_SWEEP_CFG"}  # static weight scales (its MSE replaced)
+FOLD_GPTQ = {"method": "fold_awq", "alpha_step": 0.25, "gptq": True}
+FLOAT_INPUTS = {"get_qdq_activations_from_prev_layer": False}
 # name -> (format, the changes to the format's recipe)
 CANDIDATES: dict[str, tuple[str, dict[str, Any]]] = {
     "nvfp4 max (default)": ("nvfp4", OWN),
@@ -56,6 +59,26 @@ CANDIDATES: dict[str, tuple[str, dict[str, Any]]] = {
     "nvfp4 fold_awq (alpha step 0.5)": ("nvfp4", {"algorithm": {"method": "fold_awq", "alpha_step": 0.5}, **AWQ_FOLDED}),
     "nvfp4 fold_awq (alpha step 0.25, o_proj folded into v_proj)": (
         "nvfp4", {"algorithm": {"method": "fold_awq", "alpha_step": 0.25, "fold_attention_output": True}, **AWQ_FOLDED}),
+    # AWQ, then GPTQ on the folded weights (static weight scales, which GPTQ keeps fixed).
+    "nvfp4 fold_awq + GPTQ (alpha step 0.25)": ("nvfp4", {**STATIC, "algorithm": {**FOLD_GPTQ}, **AWQ_FOLDED}),
+    "nvfp4 fold_awq + GPTQ (alpha step 0.25, float next-layer inputs)": (
+        "nvfp4", {**STATIC, "algorithm": {**FOLD_GPTQ, "layerwise": FLOAT_INPUTS}, **AWQ_FOLDED}),
+    "nvfp4 fold_awq + GPTQ (alpha step 0.5, float next-layer inputs)": (
+        "nvfp4", {**STATIC, "algorithm": {**FOLD_GPTQ, "alpha_step": 0.5, "layerwise": FLOAT_INPUTS}, **AWQ_FOLDED}),
+    "nvfp4 fold_awq + GPTQ (alpha step 0.25, 1024 tokens scored, float next-layer inputs)": (
+        "nvfp4", {**STATIC, "algorithm": {**FOLD_GPTQ, "scored_tokens": 1024, "layerwise": FLOAT_INPUTS}, **AWQ_FOLDED}),
+    "nvfp4 fold_awq + GPTQ (alpha step 0.5, 1024 tokens scored, float next-layer inputs)": (
+        "nvfp4", {**STATIC, "algorithm": {**FOLD_GPTQ, "alpha_step": 0.5, "scored_tokens": 1024, "layerwise": FLOAT_INPUTS},
+                  **AWQ_FOLDED}),
+    "nvfp4 fold_awq + GPTQ (alpha step 0.5, Hessians from every 2nd token)": (
+        "nvfp4", {**STATIC, "algorithm": {**FOLD_GPTQ, "alpha_step": 0.5, "hessian_stride": 2}, **AWQ_FOLDED}),
+    "nvfp4 fold_awq + GPTQ (alpha step 0.5, Hessians from every 2nd token, float next-layer inputs)": (
+        "nvfp4", {**STATIC, "algorithm": {**FOLD_GPTQ, "alpha_step": 0.5, "hessian_stride": 2, "layerwise": FLOAT_INPUTS},
+                  **AWQ_FOLDED}),
+    "nvfp4 fold_awq + GPTQ (alpha step 0.5)": ("nvfp4", {**STATIC, "algorithm": {**FOLD_GPTQ, "alpha_step": 0.5}, **AWQ_FOLDED}),
+    "nvfp4 GPTQ, Hessians from the max pass": ("nvfp4", {**STATIC, "algorithm": {**FOLD_GPTQ, "awq": False}, **AWQ_FOLDED}),
+    "nvfp4 GPTQ, Hessians from the max pass, float next-layer inputs": (
+        "nvfp4", {**STATIC, "algorithm": {**FOLD_GPTQ, "awq": False, "layerwise": FLOAT_INPUTS}, **AWQ_FOLDED}),
     # Diagnostics, not candidates (the NVFP4 recipe is W4A4): activations left in BF16 show how much
     # of the answers' KL is the activations' own FP4 rounding, which no weight-side method touches.
     "nvfp4 weights only, max (W4A16 diagnostic)": ("nvfp4", {**OWN, **W4A16}),
@@ -74,24 +97,37 @@ from pathlib import Path
 from fp4prep import demo
 from fp4prep.pipeline import PipelineConfig, Thresholds, run
 from fp4prep.pipeline.recipes import RECIPES
-fmt, changes, task, out = sys.argv[1], json.loads(sys.argv[2]), sys.argv[3], Path(sys.argv[4])
+fmt, changes, task, out, prompts = sys.argv[1], json.loads(sys.argv[2]), sys.argv[3], Path(sys.argv[4]), int(sys.argv[5])
 assets = demo.build(task=demo.TASKS[task])
 recipe = dataclasses.replace(RECIPES[fmt], **changes)
+# The CPU backend compiles its fused fake quantization once per process (per dtype and rank): done
+# here, before the clock starts, so that no candidate's stage times carry it.
+import torch
+from fp4prep.pipeline import fakequant
+for dtype in (torch.bfloat16, torch.float32):
+    for shape in ((1024, 576), (2, 512, 576)):
+        fakequant.nvfp4_fake_quant(torch.randn(shape, dtype=dtype), 16, torch.tensor(3.0))
+        fakequant.mxfp4_fake_quant(torch.randn(shape, dtype=dtype), 32)
+from fp4prep.pipeline import gptq
+gptq.gptq_update(torch.randn(64, 32), torch.eye(32), torch.ones(64, 2), 16, 32)
+for dtype in (torch.bfloat16, torch.float32):
+    fakequant.static_nvfp4_fake_quant(torch.randn(1024, 576, dtype=dtype), torch.rand(1024 * 36), torch.tensor(3.0))
 measure = Thresholds(continuation_top1=0, answer_kl=1e9, identical_greedy=0, adapter_retention=-1e9, reload_max_logit_diff=1e-3)
 started = time.perf_counter()
 result = run(PipelineConfig(base_dir=assets.base_dir, output_dir=out, quantization=fmt, adapter_dir=assets.adapter_dir,
-                            calibration_file=assets.calibration_file, recipe=recipe, thresholds=measure, quality_gate=False))
+                            calibration_file=assets.calibration_file, recipe=recipe, thresholds=measure, quality_gate=False,
+                            parity_prompts=prompts))
 import resource
 peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 print(json.dumps({**result.to_dict(), "wall": time.perf_counter() - started, "peak_rss": peak}, default=str))
 """
 
 
-def run_candidate(name: str, task: str) -> dict[str, Any]:
+def run_candidate(name: str, task: str, parity_prompts: int) -> dict[str, Any]:
     fmt, changes = CANDIDATES[name]
     with tempfile.TemporaryDirectory(prefix="fp4prep-search-") as tmp:
         proc = subprocess.Popen(
-            [sys.executable, "-c", CHILD, fmt, json.dumps(changes), task, str(Path(tmp) / "out")],
+            [sys.executable, "-c", CHILD, fmt, json.dumps(changes), task, str(Path(tmp) / "out"), str(parity_prompts)],
             cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         )
         stdout, stderr = proc.communicate()
@@ -107,6 +143,7 @@ def run_candidate(name: str, task: str) -> dict[str, Any]:
         "continuation_top1": parity["continuation_top1"],
         "identical_greedy": parity["identical_greedy"],
         "whole_kl": parity["mean_kl"],
+        "answer_tokens": parity["answer_tokens"],
         "bf16_success": tasks.get("bf16_success"),
         "success": tasks.get("quantized_success"),
         "calibrating_s": result["stage_seconds"]["calibrating"],
@@ -123,6 +160,9 @@ def main() -> None:
     parser.add_argument("--only", nargs="*", help="candidate names (substrings) to run")
     parser.add_argument("--task", choices=TASKS, action="append", help="adapters to run (default: both)")
     parser.add_argument("--json", type=Path, help="write the rows here too")
+    parser.add_argument("--parity-prompts", type=int, default=60,
+                        help="held-back conversations parity is measured on (default: all 60 the demo holds back; "
+                             "a job uses 16)")
     args = parser.parse_args()
 
     names = [n for n, (fmt, _) in CANDIDATES.items() if args.format in ("all", fmt)]
@@ -132,7 +172,7 @@ def main() -> None:
     for task in args.task or TASKS:
         for name in names:
             before = time.perf_counter()
-            row = run_candidate(name, task)
+            row = run_candidate(name, task, args.parity_prompts)
             row["wall_s"] = time.perf_counter() - before
             rows.append(row)
             print(json.dumps(row), flush=True)

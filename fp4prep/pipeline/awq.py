@@ -16,6 +16,11 @@ for ``down_proj``. Two things follow that ModelOpt's ``awq_lite`` does not know,
   and activations quantized as the checkpoint and the engine do (the fake-quant functions the
   independent reader is checked against), and keeps no scale at all where none beats that.
 
+Each layer's scales are folded as soon as they are chosen, so the layer ModelOpt writes back is
+plain, and with ``gptq`` GPTQ then rounds the weights the checkpoint will hold (folding after it
+would rescale rows GPTQ had already rounded). What folding did to each weight is recorded per
+layer (``folding``), on disk beside ModelOpt's layer checkpoints, for the retention check.
+
 Each expert's ``down_proj`` folds into its own ``up_proj``; routed experts' gate/up (their norm
 feeds every expert) are max-calibrated, never searched. With ``fold_attention_output``, ``o_proj``'s
 scale is searched too, tied across the query heads that share a key-value head, and goes to
@@ -25,15 +30,19 @@ is given.
 
 from __future__ import annotations
 
+import contextlib
 import logging
-from collections.abc import Callable
+import os
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Literal
 
 import torch
 
+from . import fakequant
 from .errors import PipelineError
-from .fold import HEAD_SOURCE, HEAD_TARGET, NORM_GROUPS, head_tie, row_target, tied
+from .fold import HEAD_SOURCE, HEAD_TARGET, NORM_GROUPS, Factors, fold_layer, head_tie, row_target, tied
 
 logger = logging.getLogger(__name__)
 
@@ -72,6 +81,19 @@ def register() -> None:
             title="About how many calibration tokens each candidate is scored on.",
             description="Every n-th token of each batch, so that about this many are scored in all.",
         )
+        gptq: bool = ModeloptField(
+            default=False,
+            title="Then GPTQ on the smoothed weights (needs static NVFP4 weight scales).",
+            description="Each projection's rounding error spread over its later columns through the "
+            "inverse Hessian of its quantized inputs, after the AWQ scales are applied.",
+        )
+        awq: bool = ModeloptField(default=True, title="Search AWQ scales (off: max calibration, then GPTQ alone).")
+        hessian_stride: int = ModeloptField(
+            default=1, gt=0, title="GPTQ's Hessians from every n-th calibration token of each batch."
+        )
+        gptq_damp: float = ModeloptField(
+            default=0.01, gt=0.0, le=1.0, title="GPTQ's damping, a share of the Hessian's mean diagonal."
+        )
 
     class FoldAwqModeDescriptor(BaseCalibrateModeDescriptor):
         @property
@@ -83,30 +105,62 @@ def register() -> None:
     CalibrateModeRegistry.register_mode(FoldAwqModeDescriptor)
 
 
+# --- what folding did, per layer ------------------------------------------------------------------
+
+
+@dataclass
+class FoldRecord:
+    """The layers of the model being calibrated and what folding did to their weights so far."""
+
+    layers: dict[int, tuple[int, str]]  # id(decoder layer) -> (index, name prefix)
+    directory: Path | None  # one file per folded layer, kept for a resumed calibration
+    factors: Factors = field(default_factory=dict)
+
+    def add(self, index: int, factors: Factors) -> None:
+        self.factors.update(factors)
+        if self.directory is not None:
+            self.directory.mkdir(parents=True, exist_ok=True)
+            tmp = self.directory / f"{index}.tmp"
+            torch.save(factors, tmp)
+            os.replace(tmp, self.directory / f"{index}.pt")
+
+
+_records: list[FoldRecord] = []
+
+
+@contextlib.contextmanager
+def folding(model: torch.nn.Module, directory: Path | None = None) -> Iterator[FoldRecord]:
+    """While ``model`` calibrates, ``fold_awq`` folds each layer's scales and records the factors
+    here (and in ``directory``, where those of layers an earlier run finished are read back)."""
+    from .streaming import decoder_layers
+
+    layers_name, layers = decoder_layers(model)
+    record = FoldRecord({id(layer): (i, f"{layers_name}.{i}.") for i, layer in enumerate(layers)}, directory)
+    if directory is not None and directory.is_dir():
+        for path in sorted(directory.glob("*.pt")):
+            # Written by this pipeline into the job's own state directory, never user-supplied.
+            record.factors.update(torch.load(path, weights_only=True))
+    _records.append(record)
+    try:
+        yield record
+    finally:
+        _records.remove(record)
+
+
+def _fold(layer: torch.nn.Module) -> tuple[FoldRecord, str, Factors] | None:
+    """Fold ``layer``'s scales if it is a decoder layer of a model calibrating inside ``folding``;
+    its record, name prefix and what folding did to its weights. Elsewhere (a layer calibrated on
+    its own) the scales stay as pre_quant_scales, for ``fold.fold_pre_quant_scales``."""
+    record = next((r for r in reversed(_records) if id(layer) in r.layers), None)
+    if record is None:
+        return None
+    prefix = record.layers[id(layer)][1]
+    factors: Factors = {}
+    fold_layer(layer, prefix, factors)
+    return record, prefix, factors
+
+
 # --- the search -------------------------------------------------------------------------------
-
-Quantize = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (values, global amax) -> fake-quant
-
-
-def _fake_quant(quantizer: Any) -> tuple[Quantize | None, int]:
-    """What ``quantizer`` does to a tensor, in the checkpoint's arithmetic, and its block size.
-
-    ``None`` for a disabled quantizer (activations an engine leaves in BF16)."""
-    from . import fakequant
-
-    block_sizes = dict(quantizer.block_sizes or {})
-    block = int(block_sizes.get(-1) or 16)
-    if not quantizer.is_enabled:
-        return None, block
-    scale_bits = tuple(block_sizes.get("scale_bits") or ())
-    if tuple(quantizer.num_bits) != (2, 1) or scale_bits not in ((4, 3), (8, 0)):
-        raise PipelineError(
-            f"{METHOD} searches E2M1 block formats only, not num_bits={quantizer.num_bits} {block_sizes}"
-        )
-    if scale_bits == (8, 0):
-        return (lambda x, _amax: fakequant.mxfp4_fake_quant(x, block)), block
-    return (lambda x, amax: fakequant.nvfp4_fake_quant(x, block, amax)), block
-
 
 def weight_scale(weights: list[torch.Tensor], block: int) -> torch.Tensor:
     """AWQ's per-input-channel weight statistic: each value relative to its block's largest,
@@ -133,16 +187,20 @@ class _Group:
     abs_sum: torch.Tensor | None = None
     amax: torch.Tensor | None = None
     tokens: int = 0
+    # The group's inputs as the calibration pass saw them (quantizers off): what candidates are scored on.
+    inputs: list[torch.Tensor] = field(default_factory=list)
     # candidate -> the per-channel scale; candidate -> summed squared output error
     scales: dict[str, torch.Tensor] = field(default_factory=dict)
     losses: dict[str, float] = field(default_factory=dict)
 
+
     def observe(self, x: torch.Tensor) -> None:
-        x = x.detach().reshape(-1, x.shape[-1]).float()
-        abs_sum, amax = x.abs().sum(0), x.abs().amax(0)
+        x = x.detach().reshape(-1, x.shape[-1])
+        abs_sum, amax = x.float().abs().sum(0), x.float().abs().amax(0)
         self.abs_sum = abs_sum if self.abs_sum is None else self.abs_sum + abs_sum
         self.amax = amax if self.amax is None else torch.maximum(self.amax, amax)
         self.tokens += x.shape[0]
+        self.inputs.append(x)
 
 
 def fold_groups(layer: torch.nn.Module, attention_output: bool = False) -> list[_Group]:
@@ -178,47 +236,60 @@ def search(
     alpha_step: float = 0.25,
     scored_tokens: int = 2048,
     fold_attention_output: bool = False,
+    gptq: bool = False,
+    gptq_damp: float = 0.01,
+    awq: bool = True,
+    hessian_stride: int = 1,
     **unused: Any,
 ) -> None:
     """ModelOpt calibration function: max-calibrate ``layer``, then give each fold group the scale
-    (one of AWQ's, or none) whose quantized outputs are closest to the unquantized ones.
+    (one of AWQ's, or none) whose quantized outputs are closest to the unquantized ones, fold the
+    scales, and with ``gptq`` round the folded layer's weights with GPTQ (``gptq.quantize_layer``).
 
     The statistics the candidates come from see every calibration token; the candidates are scored
     on about ``scored_tokens`` of them, evenly spread (every n-th token of each batch), which is
     what the search costs."""
-    from modelopt.torch.quantization.conversion import set_quantizer_by_cfg_context
-    from modelopt.torch.quantization.model_calib import apply_pre_quant_scale_and_smooth, max_calibrate
+    from modelopt.torch.quantization.model_calib import max_calibrate
 
-    groups = fold_groups(layer, attention_output=fold_attention_output)
+    from . import gptq as gptq_mod
+
+    groups = fold_groups(layer, attention_output=fold_attention_output) if awq else []
     handles = [
         module.register_forward_pre_hook(lambda _m, args, g=group: g.observe(args[0]))
         for group in groups
         for _, module in group.members[:1]  # members read the same input
     ]
+    hessians = gptq_mod.Hessians(layer, hessian_stride) if gptq else None
     try:
         max_calibrate(layer, forward_loop)
     finally:
         for handle in handles:
             handle.remove()
+        if hessians is not None:
+            hessians.remove()
     groups = [g for g in groups if g.tokens > 0]  # an expert no token reached keeps max
-    if not groups:
-        return
+    if groups:
+        _search_and_apply(groups, alpha_step, scored_tokens)
+    folded = _fold(layer)
+    if hessians is not None:
+        if folded is None:
+            raise PipelineError(f"{METHOD} with gptq rounds the folded layer: calibrate inside awq.folding(model)")
+        gptq_mod.quantize_layer(layer, hessians, folded[1], folded[2], gptq_damp)
+    if folded is not None:
+        record, _prefix, factors = folded
+        record.add(record.layers[id(layer)][0], factors)
+
+
+def _search_and_apply(groups: list[_Group], alpha_step: float, scored_tokens: int) -> None:
+    from modelopt.torch.quantization.model_calib import apply_pre_quant_scale_and_smooth
 
     alphas = [round(a, 6) for a in torch.arange(0, 1 + alpha_step / 2, alpha_step).tolist()]
-    prepared = [_prepare(group, alphas, scored_tokens) for group in groups]
-    with set_quantizer_by_cfg_context(layer, [{"quantizer_name": "*", "enable": False}]):
-        handles = [
-            group.members[0][1].register_forward_pre_hook(
-                lambda _m, args, g=group, p=ready: _score(g, p, args[0])
-            )
-            for group, ready in zip(groups, prepared, strict=True)
-        ]
-        try:
-            forward_loop(layer)
-        finally:
-            for handle in handles:
-                handle.remove()
-    del prepared
+    for group in groups:
+        prepared = _prepare(group, alphas, scored_tokens)
+        for x in group.inputs:
+            _score(group, prepared, x)
+        group.inputs.clear()
+        del prepared
 
     for group in groups:
         best = min(group.losses, key=group.losses.__getitem__)
@@ -241,19 +312,22 @@ def search(
 @dataclass
 class _Prepared:
     """A group's candidates, ready to score: per candidate ``1 / s``, the input's global amax after
-    the scale and each member's quantized ``W * s``."""
+    the scale and the members' quantized ``W * s``, stacked (one GEMM)."""
 
-    weights: list[torch.Tensor]  # the members' unquantized weights, float32
-    quantize_input: Quantize | None
+    weight: torch.Tensor  # the members' unquantized weights, stacked, in the inputs' dtype
+    quantize_input: fakequant.Quantize | None
     stride: int  # every stride-th token of a batch is scored
-    candidates: list[tuple[str, torch.Tensor, torch.Tensor | None, list[torch.Tensor]]]
+    candidates: list[tuple[str, torch.Tensor, torch.Tensor | None, torch.Tensor]]
 
 
 def _prepare(group: _Group, alphas: list[float], scored_tokens: int) -> _Prepared:
     first = group.members[0][1]
-    quantize_weight, block = _fake_quant(first.weight_quantizer)
-    quantize_input, _ = _fake_quant(first.input_quantizer)
+    quantize_weight, block = fakequant.engine_quantize(first.weight_quantizer)
+    quantize_input, _ = fakequant.engine_quantize(first.input_quantizer)
     assert quantize_weight is not None and group.abs_sum is not None and group.amax is not None
+    # Scored in the dtype the layer computes in (BF16 on GPUs and CPUs that multiply it natively):
+    # rounding the outputs there moves every candidate's error alike.
+    dtype = group.inputs[0].dtype if group.inputs else torch.float32
     act = group.abs_sum / group.tokens
     weights = [m.weight.detach().float() for _, m in group.members]
     w_stat = weight_scale(weights, block)
@@ -262,29 +336,31 @@ def _prepare(group: _Group, alphas: list[float], scored_tokens: int) -> _Prepare
         group.scales = {name: tied(scale, group.tie) for name, scale in group.scales.items()}
     group.scales = {"none": torch.ones_like(act)} | group.scales
     group.losses = dict.fromkeys(group.scales, 0.0)
-    prepared = _Prepared(weights, quantize_input, max(1, group.tokens // scored_tokens), [])
+    prepared = _Prepared(torch.cat(weights).to(dtype), quantize_input, max(1, group.tokens // scored_tokens), [])
     for name, scale in group.scales.items():
         scaled = [w * scale for w in weights]
         tops = [w.abs().amax() for w in scaled]
         if group.fused:  # one GEMM in the engine, one weight global scale: the largest
             tops = [torch.stack(tops).amax()] * len(tops)
         input_amax = (group.amax / scale).amax() if quantize_input is not None else None
-        quantized = [quantize_weight(w, top) for w, top in zip(scaled, tops, strict=True)]
+        if group.fused:  # block by block, so the stacked rows quantize as each member's would
+            quantized = quantize_weight(torch.cat(scaled), tops[0]).to(dtype)
+        else:
+            quantized = torch.cat([quantize_weight(w, top) for w, top in zip(scaled, tops, strict=True)]).to(dtype)
         prepared.candidates.append((name, 1.0 / scale, input_amax, quantized))
     return prepared
 
 
 def _score(group: _Group, prepared: _Prepared, x: torch.Tensor) -> None:
     """Add each candidate's squared error on the group's outputs for the batch ``x`` to its loss."""
-    x = x.detach().reshape(-1, x.shape[-1])[:: prepared.stride].float()
+    x = x[:: prepared.stride]
     if x.shape[0] == 0:
         return
-    references = [x @ w.T for w in prepared.weights]
+    reference = x.to(prepared.weight.dtype) @ prepared.weight.T
+    x = x.float()
     for name, inverse, input_amax, quantized in prepared.candidates:
         scaled = x * inverse
         if prepared.quantize_input is not None:
             scaled = prepared.quantize_input(scaled, input_amax)  # type: ignore[arg-type]
-        group.losses[name] += sum(
-            float((scaled @ w.T - reference).pow(2).sum())
-            for w, reference in zip(quantized, references, strict=True)
-        )
+        error = scaled.to(quantized.dtype) @ quantized.T - reference
+        group.losses[name] += float(error.float().pow(2).sum())

@@ -14,7 +14,7 @@ import functools
 import logging
 import os
 from collections.abc import Callable
-from typing import TYPE_CHECKING, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 
@@ -22,9 +22,10 @@ if TYPE_CHECKING:
     from modelopt.torch.quantization.nn import TensorQuantizer
 
 BACKEND_NAME = "fp4prep_cpu"
+Quantize = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (values, global amax) -> fake-quant
 
 logger = logging.getLogger(__name__)
-F = TypeVar("F", bound=Callable[..., torch.Tensor])
+F = TypeVar("F", bound=Callable[..., object])
 
 E2M1_MAX = 6.0
 E4M3_MAX = 448.0
@@ -63,27 +64,29 @@ def nvfp4_scales(
     return per_block, scale_2
 
 
-def fused(fn: F) -> F:
+def fused(fn: F, min_values: int | None = None) -> F:
     """``fn`` compiled by TorchInductor into one loop for CPU tensors, the eager ``fn`` elsewhere.
 
     In eager torch a quantize-dequantize is a dozen passes over the tensor and costs as much as the
     matmul it feeds; fused it is ~10x faster, with the same values (rounding, division and the
     E4M3 cast are elementwise and kept; the block maxima are exact whatever the order). Where
     compilation is unavailable (no C++ compiler) or ``FP4PREP_FUSED_QUANT=0``, the eager function
-    runs, with a warning the first time. Small tensors (decode steps, small models) stay eager.
+    runs, with a warning the first time. Tensors under ``min_values`` values (by default
+    ``FUSED_MIN_VALUES``: decode steps, small models) stay eager.
     """
-    compiled: list[Callable[..., torch.Tensor]] = []
+    compiled: list[Callable[..., Any]] = []
 
     @functools.wraps(fn)
-    def wrapper(x: torch.Tensor, *args: object, **kwargs: object) -> torch.Tensor:
-        if x.device.type != "cpu" or x.numel() < FUSED_MIN_VALUES or not _fusing[0]:
+    def wrapper(x: torch.Tensor, *args: object, **kwargs: object) -> Any:
+        smallest = FUSED_MIN_VALUES if min_values is None else min_values
+        if x.device.type != "cpu" or x.numel() < smallest or not _fusing[0]:
             return fn(x, *args, **kwargs)
         if not compiled:
             import torch._inductor.config
 
             # Compiled in this process: no pool of compiler processes beside a busy worker.
             torch._inductor.config.compile_threads = 1
-            compiled.append(torch.compile(fn, dynamic=True))
+            compiled.append(torch.compile(fn, dynamic=True))  # type: ignore[arg-type]
         try:
             return compiled[0](x, *args, **kwargs)
         except Exception as exc:  # noqa: BLE001 - any compiler failure: the eager path is correct
@@ -138,6 +141,7 @@ def quantize_to_scales(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return torch.where(bad, torch.zeros_like(x), e2m1_round(x.float() / safe) * safe)
 
 
+@fused
 def static_nvfp4_fake_quant(
     x: torch.Tensor,
     amax: torch.Tensor,
@@ -212,8 +216,56 @@ def fake_quant(inputs: torch.Tensor, quantizer: TensorQuantizer) -> torch.Tensor
         amax = quantizer.amax
         if amax is None:
             amax = inputs.detach().abs().amax()
-        return nvfp4_fake_quant(inputs, block_size, amax.to(inputs.device))
+        return _recent.get_or_make(inputs, block_size, amax.to(inputs.device))
     raise NotImplementedError(f"unsupported scale_bits={scale_bits} for the CPU backend")
+
+
+class _Recent:
+    """The last few NVFP4 fake quantizations of CPU tensors, by the very tensor (unmodified since).
+
+    Projections that read one input (q/k/v, gate/up) each quantize it, with the same global amax,
+    as engines do once for the fused GEMM: the second and third time it is the same work, which on
+    a CPU costs as much as the matmul."""
+
+    def __init__(self, size: int = 4) -> None:
+        self.size = size
+        self.entries: list[tuple[torch.Tensor, int, int, float, torch.Tensor]] = []
+
+    def get_or_make(self, x: torch.Tensor, block_size: int, amax: torch.Tensor) -> torch.Tensor:
+        if x.device.type != "cpu" or amax.numel() != 1 or x.requires_grad:
+            return nvfp4_fake_quant(x, block_size, amax)
+        key = (x._version, block_size, float(amax))
+        for tensor, *rest, out in self.entries:
+            if tensor is x and tuple(rest) == key:
+                return out
+        out = nvfp4_fake_quant(x, block_size, amax)
+        self.entries = [(x, *key, out), *self.entries[: self.size - 1]]
+        return out
+
+    def clear(self) -> None:
+        self.entries = []
+
+
+_recent = _Recent()
+
+
+def engine_quantize(quantizer: TensorQuantizer) -> tuple[Quantize | None, int]:
+    """What an E2M1 block ``quantizer`` does to a tensor, in the checkpoint's arithmetic (dynamic
+    per-block scales, the global amax given), and its block size; ``None`` when it is disabled
+    (activations an engine leaves in BF16). For searches that try scales the quantizer has not
+    been calibrated with."""
+    from .errors import PipelineError
+
+    block_sizes = dict(quantizer.block_sizes or {})
+    block = int(block_sizes.get(-1) or 16)
+    if not quantizer.is_enabled:
+        return None, block
+    scale_bits = tuple(block_sizes.get("scale_bits") or ())
+    if tuple(quantizer.num_bits) != (2, 1) or scale_bits not in ((4, 3), (8, 0)):
+        raise PipelineError(f"only E2M1 block formats can be searched, not num_bits={quantizer.num_bits} {block_sizes}")
+    if scale_bits == (8, 0):
+        return (lambda x, _amax: mxfp4_fake_quant(x, block)), block
+    return (lambda x, amax: nvfp4_fake_quant(x, block, amax)), block
 
 
 def handles(num_bits: object) -> bool:
@@ -221,14 +273,12 @@ def handles(num_bits: object) -> bool:
 
 
 def register() -> None:
-    """Register the backend with ModelOpt (idempotent), with the two pieces ModelOpt runs only as
-    Triton kernels: static NVFP4 fake quantization and GPTQ's column-by-column update."""
+    """Register the backend with ModelOpt (idempotent), with static NVFP4 fake quantization, which
+    ModelOpt runs only as a Triton kernel (GPTQ's update, the other, is ``gptq.register``'s)."""
     from modelopt.torch.quantization.nn.modules import tensor_quantizer
-    from modelopt.torch.quantization.utils.calib_utils import register_gptq_helper
 
     if not tensor_quantizer.is_registered_quant_backend(BACKEND_NAME):
         tensor_quantizer.register_quant_backend(BACKEND_NAME, fake_quant)
-        register_gptq_helper(BACKEND_NAME, _gptq_helper())
         _register_mse_sweep()
     # Static quantizers (promoted by MSE, local-Hessian and GPTQ calibration) call this kernel
     # directly, whatever their backend; without Triton (a CPU) it can't run.
@@ -260,50 +310,3 @@ def _register_mse_sweep() -> None:
         return NVFP4MSECalibrator(amax=amax, axis=axis, global_amax=quantizer.global_amax, quant_func=quant_func)
 
     _register_fp8_sweep_calibrator(BACKEND_NAME, factory)
-
-
-def _gptq_helper() -> type:
-    """GPTQ's helper for our quantizers: the static NVFP4 update one column at a time in torch,
-    with the column's own block scale (what ModelOpt's fused kernel does on a GPU). ModelOpt's
-    fallback fake-quantizes the whole matrix for every column: hours on a CPU."""
-    from modelopt.torch.quantization.utils.calib_utils import GPTQHelper
-
-    class Helper(GPTQHelper):
-        def _blockwise_update(self, block_size: int) -> None:
-            quantizer = self.module.weight_quantizer
-            if not getattr(quantizer, "_is_nvfp4_static_quantizer", False):
-                return super()._blockwise_update(block_size)
-            assert self.weight is not None and self.h_inv is not None
-            from modelopt.torch.quantization.utils.numeric_utils import fp8_max_for_normalization
-
-            out_features, columns = self.weight.shape
-            group = quantizer.block_sizes.get(-1) or quantizer.block_sizes.get(1)
-            scales = static_nvfp4_scales(
-                quantizer.amax.reshape(out_features, columns // group),
-                quantizer.global_amax,
-                fp8_max=fp8_max_for_normalization(quantizer),
-            ).to(self.weight.device)
-            gptq_update(self.weight, self.h_inv, scales, group, block_size)
-
-    return Helper
-
-
-def gptq_update(weight: torch.Tensor, h_inv: torch.Tensor, scales: torch.Tensor, group: int, block_size: int) -> None:
-    """GPTQ's blockwise weight update in place: each column rounded to the E2M1 grid of its block's
-    scale, its error spread over the columns after it through the inverse Hessian's Cholesky factor."""
-    columns = weight.shape[1]
-    for start in range(0, columns, block_size):
-        end = min(start + block_size, columns)
-        block = weight[:, start:end].clone()
-        h_block = h_inv[start:end, start:end]
-        errors = torch.zeros_like(block)
-        for i in range(end - start):
-            column = block[:, i]
-            q = quantize_to_scales(column, scales[:, (start + i) // group])
-            error = (column - q) / h_block[i, i]
-            block[:, i:].sub_(error[:, None] * h_block[i, i:][None, :])
-            block[:, i] = q
-            errors[:, i] = error
-        weight[:, start:end] = block
-        if end < columns:
-            weight[:, end:].addmm_(errors, h_inv[start:end, end:], alpha=-1)

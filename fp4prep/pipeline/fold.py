@@ -119,7 +119,42 @@ def fold_pre_quant_scales(model: torch.nn.Module) -> Factors:
 
     AWQ leaves each projection with its weight divided by a per-input-channel scale and its input
     multiplied by it (``pre_quant_scale``). vLLM's ModelOpt loader runs no ``pre_quant_scale``
-    (it takes NVFP4, not NVFP4_AWQ), so each one must go, exactly:
+    (it takes NVFP4, not NVFP4_AWQ), so each one must go, exactly (see ``fold_layer``). ``fold_awq``
+    folds its scales as it picks them; this is for what is left (ModelOpt's ``awq_lite``).
+
+    One decoder layer is materialized at a time, and what changed is written back into the weights
+    map. Returns the factors the retention check needs to compare stored weights with merged ones.
+    """
+    from modelopt.torch.quantization.utils import enable_weight_access_and_writeback
+
+    from .streaming import decoder_layers
+
+    layers_name, layers = decoder_layers(model)
+    name_to_module = dict(model.named_modules())
+    factors: Factors = {}
+    for index, layer in enumerate(layers):
+        if not _scaled(layer):
+            continue
+        with enable_weight_access_and_writeback(layer, model, name_to_module):
+            fold_layer(layer, f"{layers_name}.{index}.", factors)
+    left = [n for n, m in model.named_modules() if _pre_quant_scale(m) is not None]
+    if left:
+        raise PipelineError(
+            f"pre_quant_scale left on {len(left)} modules after folding ({', '.join(left[:3])})"
+        )
+    return factors
+
+
+def _scaled(layer: torch.nn.Module) -> dict[str, Any]:
+    from modelopt.torch.quantization.utils import is_quantized_linear
+
+    return {n: m for n, m in layer.named_modules() if is_quantized_linear(m) and _pre_quant_scale(m) is not None}
+
+
+@torch.no_grad()
+def fold_layer(layer: torch.nn.Module, prefix: str, factors: Factors) -> None:
+    """Fold the pre_quant_scales of one materialized decoder layer (``prefix``: its name and a dot)
+    into what makes each projection's input, recording in ``factors`` what that did to each weight:
 
     - a projection whose output feeds another through an elementwise product (``up_proj`` before
       ``down_proj``, in a dense MLP or an expert) takes the second's scale on its output rows;
@@ -128,69 +163,40 @@ def fold_pre_quant_scales(model: torch.nn.Module) -> Factors:
     - projections that read one norm's output (q/k/v, gate/up) are resmoothed to their average
       scale, which the norm's weight takes;
     - any other (``o_proj`` scaled per query head, as ``awq_lite`` does; routed experts' gate/up,
-      which share their norm with every other expert) is undone: weight multiplied back, max-calibrated, as without AWQ.
-
-    One decoder layer is materialized at a time, and what changed is written back into the weights
-    map. Returns the factors the retention check needs to compare stored weights with merged ones.
+      which share their norm with every other expert) is undone: weight multiplied back,
+      max-calibrated, as without AWQ.
     """
-    from modelopt.torch.quantization.utils import enable_weight_access_and_writeback, is_quantized_linear
-
-    from .streaming import decoder_layers
-
-    layers_name, layers = decoder_layers(model)
-    name_to_module = dict(model.named_modules())
-    factors: Factors = {}
-    for index, layer in enumerate(layers):
-        scaled: dict[str, Any] = {
-            n: m
-            for n, m in layer.named_modules()
-            if is_quantized_linear(m) and _pre_quant_scale(m) is not None
-        }
-        if not scaled:
+    scaled = _scaled(layer)
+    modules = dict(layer.named_modules())
+    for source in list(scaled):
+        target = row_target(source)
+        if target is not None and target in modules:
+            rows = _pre_quant_scale(scaled[source]).float()  # type: ignore[union-attr]
+            _fold_into_rows(scaled.pop(source), modules[target], rows, prefix + source, prefix + target, factors)
+    tie = head_tie(layer)
+    if HEAD_SOURCE in scaled and tie is not None:
+        scale = _pre_quant_scale(scaled[HEAD_SOURCE]).float()  # type: ignore[union-attr]
+        if torch.allclose(scale, tied(scale, tie), rtol=1e-6, atol=0):
+            rows = scale.reshape(tie)[:, 0, :].reshape(-1)  # one per key-value head's channel
+            o_proj, v_proj = scaled.pop(HEAD_SOURCE), modules[HEAD_TARGET]
+            _fold_into_rows(o_proj, v_proj, rows, prefix + HEAD_SOURCE, prefix + HEAD_TARGET, factors)
+    for norm_name, group in NORM_GROUPS:
+        if not all(n in scaled for n in group):
             continue
-        prefix = f"{layers_name}.{index}."
-        with enable_weight_access_and_writeback(layer, model, name_to_module):
-            modules = dict(layer.named_modules())
-            for source in list(scaled):
-                target = row_target(source)
-                if target is not None and target in modules:
-                    rows = _pre_quant_scale(scaled[source]).float()  # type: ignore[union-attr]
-                    _fold_into_rows(
-                        scaled.pop(source), modules[target], rows, prefix + source, prefix + target, factors
-                    )
-            tie = head_tie(layer)
-            if HEAD_SOURCE in scaled and tie is not None:
-                scale = _pre_quant_scale(scaled[HEAD_SOURCE]).float()  # type: ignore[union-attr]
-                if torch.allclose(scale, tied(scale, tie), rtol=1e-6, atol=0):
-                    rows = scale.reshape(tie)[:, 0, :].reshape(-1)  # one per key-value head's channel
-                    o_proj, v_proj = scaled.pop(HEAD_SOURCE), modules[HEAD_TARGET]
-                    _fold_into_rows(o_proj, v_proj, rows, prefix + HEAD_SOURCE, prefix + HEAD_TARGET, factors)
-            for norm_name, group in NORM_GROUPS:
-                if not all(n in scaled for n in group):
-                    continue
-                norm: Any = layer.get_submodule(norm_name)
-                scales = [_pre_quant_scale(scaled[n]).float() for n in group]  # type: ignore[union-attr]
-                # fold_awq gives a group one scale: then it is the norm's, exactly.
-                average = (
-                    scales[0]
-                    if all(torch.equal(s, scales[0]) for s in scales)
-                    else torch.stack(scales).mean(0)
-                )
-                for name, scale in zip(group, scales, strict=True):
-                    module = scaled.pop(name)
-                    _scale_weight(module, columns=scale / average)
-                    _recalibrate_weight(module)
-                    _drop_pre_quant_scale(module, average)
-                    factors.setdefault(prefix + name + ".weight", {})["in_scale"] = average.cpu()
-                norm.weight.data.copy_((norm.weight.data.float() * average).to(norm.weight.dtype))
-            for module in scaled.values():  # nothing to fold into: back as without AWQ
-                scale = _pre_quant_scale(module).float()  # type: ignore[union-attr]
-                _scale_weight(module, columns=scale)
+        norm: Any = layer.get_submodule(norm_name)
+        scales = [_pre_quant_scale(scaled[n]).float() for n in group]  # type: ignore[union-attr]
+        # fold_awq gives a group one scale: then it is the norm's, exactly, and no weight changes.
+        average = scales[0] if all(torch.equal(s, scales[0]) for s in scales) else torch.stack(scales).mean(0)
+        for name, scale in zip(group, scales, strict=True):
+            module = scaled.pop(name)
+            if not torch.equal(scale, average):
+                _scale_weight(module, columns=scale / average)
                 _recalibrate_weight(module)
-                _drop_pre_quant_scale(module, torch.ones_like(scale))
-    left = [n for n, m in model.named_modules() if is_quantized_linear(m) and _pre_quant_scale(m) is not None]
-    if left:
-        raise PipelineError(
-            f"pre_quant_scale left on {len(left)} modules after folding ({', '.join(left[:3])})"
-        )
-    return factors
+            _drop_pre_quant_scale(module, average)
+            factors.setdefault(prefix + name + ".weight", {})["in_scale"] = average.cpu()
+        norm.weight.data.copy_((norm.weight.data.float() * average).to(norm.weight.dtype))
+    for module in scaled.values():  # nothing to fold into: back as without AWQ
+        scale = _pre_quant_scale(module).float()  # type: ignore[union-attr]
+        _scale_weight(module, columns=scale)
+        _recalibrate_weight(module)
+        _drop_pre_quant_scale(module, torch.ones_like(scale))

@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from . import awq, fakequant
+from . import awq, fakequant, fold, gptq
 from .device import Compute
 from .errors import PipelineError
 from .recipes import Recipe
@@ -33,6 +33,7 @@ logger = logging.getLogger(__name__)
 CALIBRATION_BATCH = 4
 CALIBRATION_DIR = "calibration"  # ModelOpt's per-layer checkpoint, inside the run's state directory
 EXPERT_TOKENS_FILE = "expert_tokens.json"
+FOLD_FACTORS_DIR = "fold_factors"  # what fold_awq's folding did, one file per finished layer
 
 
 class ExpertCounter:
@@ -145,12 +146,12 @@ def calibrate(
     compute: Compute,
     report: Callable[[float], None],
     state_dir: Path | None = None,
-) -> dict[str, list[int]]:
+) -> tuple[dict[str, list[int]], fold.Factors]:
     """Insert the recipe's quantizers and calibrate them on ``sequences``, layer by layer.
 
     With ``state_dir``, a calibration that stopped there earlier continues from its last finished
-    layer. Returns calibration tokens per expert for each MoE layer, and refuses if any expert got
-    none.
+    layer. Returns calibration tokens per expert for each MoE layer (refusing if any expert got
+    none), and what folding AWQ's scales during calibration did to each weight.
     """
     import modelopt.torch.quantization as mtq
 
@@ -158,6 +159,7 @@ def calibrate(
 
     if not compute.cuda:
         fakequant.register()
+        gptq.register()
     awq.register()
     n_layers = len(decoder_layers(model)[1])
     batches = [
@@ -181,6 +183,7 @@ def calibrate(
         algorithm = config["algorithm"]
         algorithm = {"method": algorithm} if isinstance(algorithm, str) else dict(algorithm)
         algorithm["layerwise"] = {
+            **algorithm.get("layerwise", {}),
             "enable": True,
             # Max calibration only sets amax: the per-layer checkpoint needs no weights. AWQ
             # smooths them: each layer is written back into the weights map, and checkpointed.
@@ -188,8 +191,9 @@ def calibrate(
             **({"checkpoint_dir": str(state_dir / CALIBRATION_DIR)} if state_dir else {}),
         }
         config["algorithm"] = algorithm
+    folds = state_dir / FOLD_FACTORS_DIR if state_dir else None
     try:
-        with quiet():
+        with quiet(), awq.folding(model, folds) as record:
             mtq.quantize(model, config, forward_loop)
         if not passes and counter.counts:
             # A fully dynamic recipe (MXFP4) has no statistics to collect, so ModelOpt skips the
@@ -206,7 +210,7 @@ def calibrate(
             f"({', '.join(uncovered[:4])}{', ...' if len(uncovered) > 4 else ''}); "
             "refusing to export uncalibrated experts: calibrate on a larger corpus"
         )
-    return counter.as_lists()
+    return counter.as_lists(), record.factors
 
 
 def use_reference_numerics(model: torch.nn.Module) -> None:

@@ -47,6 +47,9 @@ class Recipe:
     mutates_weights: bool = False
     # AWQ's pre_quant_scale folded into norms and projections before export (engines run none).
     folds_pre_quant_scale: bool = False
+    # NVFP4 weight block scales fixed by calibration (GPTQ rounds against them) rather than taken
+    # from each block's maximum when exported; the checkpoint holds them the same way.
+    static_weight_scales: bool = False
 
     @property
     def calibration(self) -> str:
@@ -57,6 +60,8 @@ class Recipe:
             words += f" (alpha step {algorithm['alpha_step']})"
         if self.folds_pre_quant_scale:
             words += ", scales folded into the preceding norms and projections"
+        if algorithm.get("gptq"):
+            words += ", then GPTQ against static weight scales"
         return words
 
     def quant_config(self, use_cpu_backend: bool) -> dict[str, Any]:
@@ -69,8 +74,12 @@ class Recipe:
         entries = config["quant_cfg"]
         for entry in entries:
             cfg = entry.get("cfg")
-            if use_cpu_backend and isinstance(cfg, dict) and fakequant.handles(cfg.get("num_bits")):
+            if not isinstance(cfg, dict):
+                continue
+            if use_cpu_backend and fakequant.handles(cfg.get("num_bits")):
                 cfg["backend"] = fakequant.BACKEND_NAME
+            if self.static_weight_scales and entry.get("quantizer_name") == "*weight_quantizer":
+                cfg["block_sizes"] = {**cfg["block_sizes"], "type": "static"}
         entries.extend({"quantizer_name": p, "enable": False} for p in BF16_PATTERNS)
         if not self.activations_quantized:
             entries.append({"quantizer_name": "*input_quantizer", "enable": False})

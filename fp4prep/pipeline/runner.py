@@ -201,17 +201,18 @@ def _run(
                 resumed_from = start
                 n = len(streaming.decoder_layers(model)[1])
                 _note(config, f"Resuming calibration at layer {start + 1} of {n}: an earlier run finished layers 1-{start}")
-            expert_tokens = quantize.calibrate(
+            expert_tokens, factors = quantize.calibrate(
                 model, recipe, corpus.sequences, compute, progress.sub(0.1, 1.0), state_dir=work
             )
 
     with progress.stage("quantizing"):
         if not calibrated.is_file():
             if recipe.folds_pre_quant_scale:
-                factors = fold.fold_pre_quant_scales(model)
+                factors = {**factors, **fold.fold_pre_quant_scales(model)}
             quantize.share_fused_scales(model)
             quantize.save_quantizers(model, calibrated, {"expert_tokens": expert_tokens, "fold_factors": factors})
             shutil.rmtree(work / quantize.CALIBRATION_DIR, ignore_errors=True)
+            shutil.rmtree(work / quantize.FOLD_FACTORS_DIR, ignore_errors=True)
         quantize.use_reference_numerics(model)
         reload_examples = corpus.parity[:1]
         reference = [parity_mod.logits(model, e.input_ids[:RELOAD_CHECK_TOKENS]) for e in reload_examples]

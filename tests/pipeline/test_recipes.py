@@ -23,6 +23,8 @@ AWQ = {"algorithm": {"method": "fold_awq", "alpha_step": 0.25}, "mutates_weights
 AWQ_LITE = {**AWQ, "algorithm": {"method": "awq_lite", "alpha_step": 0.5}}
 # o_proj's scale too, tied across query heads and folded into v_proj's rows.
 AWQ_HEADS = {**AWQ, "algorithm": {**AWQ["algorithm"], "fold_attention_output": True}}
+# AWQ, then GPTQ on the folded weights against static weight scales.
+AWQ_GPTQ = {**AWQ, "algorithm": {**AWQ["algorithm"], "gptq": True}, "static_weight_scales": True}
 # The config's own calibration (max, or the MSE sweep its name says), no AWQ.
 OWN = {"algorithm": None, "mutates_weights": False, "folds_pre_quant_scale": False}
 
@@ -46,8 +48,11 @@ def stored(directory: Path) -> dict[str, torch.Tensor]:
         ("llama", "mxfp4", AWQ),
         ("llama", "nvfp4", AWQ_LITE),
         ("llama", "nvfp4", AWQ_HEADS),
+        ("llama", "nvfp4", AWQ_GPTQ),
+        ("glm4_moe", "nvfp4", AWQ_GPTQ),
     ],
-    ids=["llama-nvfp4", "glm4_moe-nvfp4", "llama-mxfp4", "llama-nvfp4-awq_lite", "llama-nvfp4-o_proj"],
+    ids=["llama-nvfp4", "glm4_moe-nvfp4", "llama-mxfp4", "llama-nvfp4-awq_lite", "llama-nvfp4-o_proj",
+         "llama-nvfp4-gptq", "glm4_moe-nvfp4-gptq"],
 )
 def test_awq_scales_are_folded_away_and_the_checkpoint_is_the_plain_format(
     make_base: Any, tmp_path: Path, calibration_file: Path, arch: str, fmt: str, awq: dict[str, Any]
@@ -73,7 +78,10 @@ def test_awq_scales_are_folded_away_and_the_checkpoint_is_the_plain_format(
     assert result.retention is not None and result.retention.pooled > 0.9, result.retention
 
 
-def test_an_awq_run_stopped_midway_resumes_to_the_same_bytes(tmp_path: Path, tokenizer_dir: Path, calibration_file: Path) -> None:
+@pytest.mark.parametrize("recipe", [AWQ, AWQ_GPTQ], ids=["fold_awq", "fold_awq-gptq"])
+def test_an_awq_run_stopped_midway_resumes_to_the_same_bytes(
+    tmp_path: Path, tokenizer_dir: Path, calibration_file: Path, recipe: dict[str, Any]
+) -> None:
     from transformers import AutoModelForCausalLM
 
     from fp4prep.pipeline import Cancelled
@@ -89,7 +97,7 @@ def test_an_awq_run_stopped_midway_resumes_to_the_same_bytes(tmp_path: Path, tok
     for f in tokenizer_dir.iterdir():
         (base / f.name).write_bytes(f.read_bytes())
     adapter = save_adapter(base, tmp_path / "adapter", targets=["q_proj", "down_proj"], b_scale=0.05)
-    common = {"adapter_dir": adapter, "calibration_file": calibration_file, "recipe": variant("nvfp4", **AWQ)}
+    common = {"adapter_dir": adapter, "calibration_file": calibration_file, "recipe": variant("nvfp4", **recipe)}
     straight = run_tiny(base, tmp_path / "straight", **common)
     work = tmp_path / "work"
     progress, should_cancel = cancel_at("calibrating", 0.6)

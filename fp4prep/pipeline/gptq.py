@@ -1,0 +1,234 @@
+"""GPTQ on one decoder layer, after ``fold_awq`` has chosen and folded its scales.
+
+GPTQ rounds a projection's weights one input column at a time and spreads each column's rounding
+error over the columns not yet rounded, through the inverse Hessian ``(X^T X)^-1`` of the
+projection's inputs, so that the layer's outputs, not its weights, stay close. ModelOpt's ``gptq``
+runs two more passes over the layer's calibration inputs (max calibration, then Hessians) and one
+update per projection. Here the Hessians are gathered in the pass ``fold_awq`` makes anyway, once
+per input that several projections read (q/k/v, gate/up), and carried through the AWQ scale the
+fold gave that input (``x * c`` has Hessian ``diag(c) H diag(c)``); projections that read one input
+are rounded together, as one matrix. The weight scales are static NVFP4 (fixed per block before the
+update, as the checkpoint stores them), computed by ModelOpt's max calibration of the folded
+weights.
+
+On CUDA the update is ModelOpt's fused Triton kernel (one launch per 128 columns: an MoE layer has
+thousands of expert matrices). On a CPU it is ``gptq_update``, which rounds the 16 columns that
+share a block scale in one step: each row's 16 roundings depend only on that row, so the 16-column
+chain compiles into one loop over the rows, where column by column in eager torch it costs a dozen
+small operations per column. With ``register``, ModelOpt's own ``gptq`` uses it too for the CPU
+backend's quantizers (ModelOpt's fallback fake-quantizes the whole matrix for every column: hours
+on a CPU).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from . import fakequant
+from .errors import PipelineError
+from .fold import Factors
+
+BLOCK = 128  # columns updated together before the rest of the matrix is corrected
+
+
+@dataclass
+class _Input:
+    """The Hessian of one input tensor, and the projections that read it."""
+
+    names: list[str] = field(default_factory=list)
+    hessian: torch.Tensor | None = None
+    tokens: int = 0
+
+
+class Hessians:
+    """``X^T X`` of the inputs of every quantized projection of ``layer``, one per distinct input.
+
+    Projections that are called with the very same tensor (q/k/v after the norm, gate/up) share one
+    Hessian; the others (o_proj, down_proj, each expert's) get their own. Collected by forward
+    pre-hooks until ``remove``.
+    """
+
+    def __init__(self, layer: torch.nn.Module, stride: int = 1) -> None:
+        from modelopt.torch.quantization.utils import is_quantized_linear
+
+        self.stride = stride  # every stride-th token of a batch goes into the Hessians
+        self.modules = {
+            n: m for n, m in layer.named_modules() if is_quantized_linear(m) and m.weight_quantizer.is_enabled
+        }
+        self.inputs: dict[str, _Input] = {}  # first reader's name -> its input's Hessian
+        self._last: tuple[torch.Tensor, str] | None = None  # the input seen last, and whose it is
+        self._handles = [
+            module.register_forward_pre_hook(lambda _m, args, n=name: self._observe(n, args[0]))
+            for name, module in self.modules.items()
+        ]
+
+    def _observe(self, name: str, x: torch.Tensor) -> None:
+        if self._last is not None and self._last[0] is x:  # another reader of the same tensor
+            owner = self._last[1]
+            if name not in self.inputs[owner].names:
+                self.inputs[owner].names.append(name)
+            return
+        owner = next((o for o, i in self.inputs.items() if name in i.names), name)
+        entry = self.inputs.setdefault(owner, _Input([name]))
+        flat = x.detach().reshape(-1, x.shape[-1])[:: self.stride].float()
+        if flat.shape[0]:
+            if entry.hessian is None:
+                entry.hessian = torch.zeros(flat.shape[1], flat.shape[1], device=flat.device)
+            entry.hessian.addmm_(flat.T, flat)
+            entry.tokens += flat.shape[0]
+        self._last = (x, owner)
+
+    def remove(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._last = None
+
+
+@torch.no_grad()
+def quantize_layer(layer: torch.nn.Module, hessians: Hessians, prefix: str, factors: Factors, damp: float) -> None:
+    """Static NVFP4 weight scales for the (folded) layer, then GPTQ's rounding of its weights.
+
+    ``factors`` says what folding multiplied each projection's input by (``in_scale``, keyed by
+    ``prefix`` + name + ``.weight``); the Hessians, of the unquantized inputs, were gathered before
+    that. A projection no calibration token reached (an unrouted expert) keeps its max-calibrated
+    weights."""
+    from modelopt.torch.quantization.conversion import set_quantizer_by_cfg_context
+    from modelopt.torch.quantization.model_calib import max_calibrate
+
+    for name, module in hessians.modules.items():
+        if not getattr(module.weight_quantizer, "block_sizes", {}).get("type") == "static":
+            raise PipelineError(f"GPTQ needs static NVFP4 weight scales; {name} has dynamic ones")
+    # The weights' block scales and the shared global scales of fused groups, from the folded
+    # weights; activations keep the amax their calibration (and the fold) gave them.
+    with set_quantizer_by_cfg_context(layer, [{"quantizer_name": "*input_quantizer", "enable": False}]):
+        max_calibrate(layer)
+    for entry in hessians.inputs.values():
+        if entry.hessian is None or entry.tokens == 0:
+            continue
+        hessian = entry.hessian / entry.tokens
+        scale = factors.get(prefix + entry.names[0] + ".weight", {}).get("in_scale")
+        if scale is not None:
+            c = scale.to(hessian.device, torch.float32)
+            hessian = hessian * c[:, None] * c[None, :]
+        _update([hessians.modules[n] for n in entry.names], hessian, damp)
+
+
+def _update(modules: list[Any], hessian: torch.Tensor, damp: float) -> None:
+    """GPTQ on the modules that read one input, their rows stacked into one matrix."""
+    from modelopt.torch.quantization.utils.calib_utils import compute_hessian_inverse
+    from modelopt.torch.quantization.utils.numeric_utils import fp8_max_for_normalization
+
+    weights = [m.weight.detach().float() for m in modules]
+    weight = torch.cat(weights)
+    device = weight.device
+    h_inv = compute_hessian_inverse(hessian.to(device), weight, damp)
+    quantizers = [m.weight_quantizer for m in modules]
+    group = int(quantizers[0].block_sizes.get(-1) or 16)
+    amax = torch.cat([q.amax.reshape(w.shape[0], w.shape[1] // group).float() for q, w in zip(quantizers, weights, strict=True)])
+    global_amax = quantizers[0].global_amax.float()
+    if (
+        device.type == "cuda"
+        and all(torch.equal(q.global_amax.float(), global_amax) for q in quantizers)
+        and all(fp8_max_for_normalization(q) == fakequant.E4M3_MAX for q in quantizers)
+    ):
+        # ModelOpt's Triton kernel: one launch per block of columns (experts have thousands).
+        from modelopt.torch.quantization.utils.calib_utils import gptq_blockwise_update_fused_scalar
+
+        gptq_blockwise_update_fused_scalar(
+            weight, amax, global_amax.item() / (6.0 * fakequant.E4M3_MAX), h_inv, BLOCK, group
+        )
+    else:
+        scales = torch.cat([
+            fakequant.static_nvfp4_scales(
+                a, q.global_amax, fp8_max=fp8_max_for_normalization(q)
+            ).to(device)
+            for q, a in zip(quantizers, amax.split([w.shape[0] for w in weights]), strict=True)
+        ])
+        gptq_update(weight, h_inv, scales, group, BLOCK)
+    start = 0
+    for m, w in zip(modules, weights, strict=True):
+        m.weight.data.copy_(weight[start : start + w.shape[0]].to(m.weight.dtype))
+        start += w.shape[0]
+
+
+# --- the update ------------------------------------------------------------------------------
+
+
+def gptq_update(weight: torch.Tensor, h_inv: torch.Tensor, scales: torch.Tensor, group: int, block_size: int) -> None:
+    """GPTQ's blockwise weight update in place: each column rounded to the E2M1 grid of its block's
+    scale (``scales``: one column per ``group`` weight columns), its error spread over the columns
+    after it through the inverse Hessian's upper Cholesky factor ``h_inv``."""
+    columns = weight.shape[1]
+    if block_size % group or columns % group:
+        raise PipelineError(f"GPTQ: {columns} columns in blocks of {block_size} can't be rounded in groups of {group}")
+    for start in range(0, columns, block_size):
+        end = min(start + block_size, columns)
+        block = weight[:, start:end].clone()
+        h_block = h_inv[start:end, start:end]
+        errors = torch.empty_like(block)
+        for first in range(0, end - start, group):
+            last = first + group
+            rounded, error = _round_group(
+                block[:, first:last].contiguous(), h_block[first:last, first:last].contiguous(),
+                scales[:, (start + first) // group].contiguous(),
+            )
+            block[:, first:last] = rounded
+            errors[:, first:last] = error
+            if last < end - start:
+                block[:, last:].addmm_(error, h_block[first:last, last:], alpha=-1)
+        weight[:, start:end] = block
+        if end < columns:
+            weight[:, end:].addmm_(errors, h_inv[start:end, end:], alpha=-1)
+
+
+def _round_group_eager(w: torch.Tensor, h: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Round the columns of ``w`` (one block scale's worth) in turn, each after the errors of the
+    ones before it were spread into it; returns the rounded columns and the scaled errors."""
+    columns = list(w.float().unbind(1))
+    rounded, errors = [], []
+    for i in range(len(columns)):
+        q = fakequant.quantize_to_scales(columns[i], scale)
+        error = (columns[i] - q) / h[i, i]
+        for j in range(i + 1, len(columns)):
+            columns[j] = columns[j] - error * h[i, j]
+        rounded.append(q)
+        errors.append(error)
+    return torch.stack(rounded, 1), torch.stack(errors, 1)
+
+
+# Each row's chain is independent of the others: compiled, one loop over rows whatever its length.
+_round_group = fakequant.fused(_round_group_eager, min_values=0)
+
+
+def register() -> None:
+    """Make ModelOpt's ``gptq`` use ``gptq_update`` for the CPU backend's quantizers (idempotent)."""
+    from modelopt.torch.quantization.utils.calib_utils import _GPTQ_HELPER_REGISTRY, register_gptq_helper
+
+    if fakequant.BACKEND_NAME not in _GPTQ_HELPER_REGISTRY:
+        register_gptq_helper(fakequant.BACKEND_NAME, _helper())
+
+
+def _helper() -> type:
+    from modelopt.torch.quantization.utils.calib_utils import GPTQHelper
+
+    class Helper(GPTQHelper):
+        def _blockwise_update(self, block_size: int) -> None:
+            quantizer = self.module.weight_quantizer
+            if not getattr(quantizer, "_is_nvfp4_static_quantizer", False):
+                return super()._blockwise_update(block_size)
+            assert self.weight is not None and self.h_inv is not None
+            from modelopt.torch.quantization.utils.numeric_utils import fp8_max_for_normalization
+
+            out_features, columns = self.weight.shape
+            group = quantizer.block_sizes.get(-1) or quantizer.block_sizes.get(1)
+            scales = fakequant.static_nvfp4_scales(
+                quantizer.amax.reshape(out_features, columns // group),
+                quantizer.global_amax,
+                fp8_max=fp8_max_for_normalization(quantizer),
+            ).to(self.weight.device)
+            gptq_update(self.weight, self.h_inv, scales, group, block_size)
+
+    return Helper
