@@ -29,65 +29,50 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-AWQ_FOLDED = {"mutates_weights": True, "folds_pre_quant_scale": True}
+AWQ_FOLDED = {"mutates_weights": True, "folds_pre_quant_scale": True}  # GPTQ's changes are kept the same way
 # ModelOpt's config as it is, with its own calibration: what the peers run by hand. "(default)"
 # rows are the baseline each format's calibration time is compared with.
 OWN = {"algorithm": None, "mutates_weights": False, "folds_pre_quant_scale": False}
 W4A16 = {"activations_quantized": False, "quant_algo": "W4A16_NVFP4"}
-STATIC = {"modelopt_config": "NVFP4_W4A4_WEIGHT_MSE_FP8_SWEEP_CFG"}  # static weight scales (its MSE replaced)
+STATIC = {"static_weight_scales": True}
 FOLD_GPTQ = {"method": "fold_awq", "alpha_step": 0.25, "gptq": True}
-FLOAT_INPUTS = {"get_qdq_activations_from_prev_layer": False}
+QDQ_INPUTS = {"get_qdq_activations_from_prev_layer": True}
 # name -> (format, the changes to the format's recipe)
 CANDIDATES: dict[str, tuple[str, dict[str, Any]]] = {
     "nvfp4 max (default)": ("nvfp4", OWN),
     "nvfp4 4/6 weight scales": ("nvfp4", {**OWN, "modelopt_config": "NVFP4_FOUR_OVER_SIX_CFG"}),
     "nvfp4 MSE weight scales (FP8 sweep)": ("nvfp4", {**OWN, "modelopt_config": "NVFP4_W4A4_WEIGHT_MSE_FP8_SWEEP_CFG"}),
     "nvfp4 local-Hessian weight scales": ("nvfp4", {**OWN, "modelopt_config": "NVFP4_W4A4_WEIGHT_LOCAL_HESSIAN_CFG"}),
-    "nvfp4 GPTQ": ("nvfp4", {**OWN, "modelopt_config": "NVFP4_W4A4_WEIGHT_MSE_FP8_SWEEP_CFG", "algorithm": {"method": "gptq"},
-                            "mutates_weights": True}),
-    "nvfp4 AWQ-lite, folded (alpha step 0.25)": ("nvfp4", {"algorithm": {"method": "awq_lite", "alpha_step": 0.25}, **AWQ_FOLDED}),
+    # ModelOpt's own GPTQ (its passes: max calibration, Hessians of the quantized inputs per
+    # projection, next-layer inputs through the quantized layer), with the CPU backend's update.
+    "nvfp4 GPTQ (ModelOpt's)": ("nvfp4", {**OWN, **STATIC, "algorithm": {"method": "gptq"}, "mutates_weights": True}),
     "nvfp4 AWQ-lite, folded (alpha step 0.5)": ("nvfp4", {"algorithm": {"method": "awq_lite", "alpha_step": 0.5}, **AWQ_FOLDED}),
-    "nvfp4 AWQ-lite, folded (alpha step 1.0)": ("nvfp4", {"algorithm": {"method": "awq_lite", "alpha_step": 1.0}, **AWQ_FOLDED}),
     # fp4prep's own AWQ search (fp4prep/pipeline/awq.py): one scale per fold group, scored with
     # weights and activations quantized as the engine runs them, no scale where none is better;
     # candidates scored on 2048 evenly spread calibration tokens unless said otherwise.
     "nvfp4 fold_awq (alpha step 0.25)": ("nvfp4", {"algorithm": {"method": "fold_awq", "alpha_step": 0.25}, **AWQ_FOLDED}),
-    "nvfp4 fold_awq (alpha step 0.25, 1024 tokens scored)": (
-        "nvfp4", {"algorithm": {"method": "fold_awq", "alpha_step": 0.25, "scored_tokens": 1024}, **AWQ_FOLDED}),
-    "nvfp4 fold_awq (alpha step 0.25, every token scored)": (
-        "nvfp4", {"algorithm": {"method": "fold_awq", "alpha_step": 0.25, "scored_tokens": 10**9}, **AWQ_FOLDED}),
     "nvfp4 fold_awq (alpha step 0.5)": ("nvfp4", {"algorithm": {"method": "fold_awq", "alpha_step": 0.5}, **AWQ_FOLDED}),
-    "nvfp4 fold_awq (alpha step 0.25, o_proj folded into v_proj)": (
-        "nvfp4", {"algorithm": {"method": "fold_awq", "alpha_step": 0.25, "fold_attention_output": True}, **AWQ_FOLDED}),
-    # AWQ, then GPTQ on the folded weights (static weight scales, which GPTQ keeps fixed).
-    "nvfp4 fold_awq + GPTQ (alpha step 0.25)": ("nvfp4", {**STATIC, "algorithm": {**FOLD_GPTQ}, **AWQ_FOLDED}),
-    "nvfp4 fold_awq + GPTQ (alpha step 0.25, float next-layer inputs)": (
-        "nvfp4", {**STATIC, "algorithm": {**FOLD_GPTQ, "layerwise": FLOAT_INPUTS}, **AWQ_FOLDED}),
-    "nvfp4 fold_awq + GPTQ (alpha step 0.5, float next-layer inputs)": (
-        "nvfp4", {**STATIC, "algorithm": {**FOLD_GPTQ, "alpha_step": 0.5, "layerwise": FLOAT_INPUTS}, **AWQ_FOLDED}),
-    "nvfp4 fold_awq + GPTQ (alpha step 0.25, 1024 tokens scored, float next-layer inputs)": (
-        "nvfp4", {**STATIC, "algorithm": {**FOLD_GPTQ, "scored_tokens": 1024, "layerwise": FLOAT_INPUTS}, **AWQ_FOLDED}),
-    "nvfp4 fold_awq + GPTQ (alpha step 0.5, 1024 tokens scored, float next-layer inputs)": (
-        "nvfp4", {**STATIC, "algorithm": {**FOLD_GPTQ, "alpha_step": 0.5, "scored_tokens": 1024, "layerwise": FLOAT_INPUTS},
-                  **AWQ_FOLDED}),
+    # fold_awq, then GPTQ on the folded weights against static scales (fp4prep/pipeline/gptq.py).
     "nvfp4 fold_awq + GPTQ (alpha step 0.5, Hessians from every 2nd token)": (
-        "nvfp4", {**STATIC, "algorithm": {**FOLD_GPTQ, "alpha_step": 0.5, "hessian_stride": 2}, **AWQ_FOLDED}),
-    "nvfp4 fold_awq + GPTQ (alpha step 0.5, Hessians from every 2nd token, float next-layer inputs)": (
-        "nvfp4", {**STATIC, "algorithm": {**FOLD_GPTQ, "alpha_step": 0.5, "hessian_stride": 2, "layerwise": FLOAT_INPUTS},
-                  **AWQ_FOLDED}),
-    "nvfp4 fold_awq + GPTQ (alpha step 0.5)": ("nvfp4", {**STATIC, "algorithm": {**FOLD_GPTQ, "alpha_step": 0.5}, **AWQ_FOLDED}),
-    "nvfp4 GPTQ, Hessians from the max pass": ("nvfp4", {**STATIC, "algorithm": {**FOLD_GPTQ, "awq": False}, **AWQ_FOLDED}),
-    "nvfp4 GPTQ, Hessians from the max pass, float next-layer inputs": (
-        "nvfp4", {**STATIC, "algorithm": {**FOLD_GPTQ, "awq": False, "layerwise": FLOAT_INPUTS}, **AWQ_FOLDED}),
+        "nvfp4", {"algorithm": {**FOLD_GPTQ, "alpha_step": 0.5, "hessian_stride": 2}, **AWQ_FOLDED, **STATIC}),
+    "nvfp4 fold_awq + GPTQ (alpha step 0.25, Hessians from every token)": (
+        "nvfp4", {"algorithm": {**FOLD_GPTQ}, **AWQ_FOLDED, **STATIC}),
+    "nvfp4 fold_awq + GPTQ (alpha step 0.5, Hessians from every 2nd token, next-layer inputs quantized)": (
+        "nvfp4", {"algorithm": {**FOLD_GPTQ, "alpha_step": 0.5, "hessian_stride": 2, "layerwise": QDQ_INPUTS},
+                  **AWQ_FOLDED, **STATIC}),
+    "nvfp4 GPTQ alone (Hessians from every 2nd token)": (
+        "nvfp4", {"algorithm": {**FOLD_GPTQ, "awq": False, "hessian_stride": 2}, **AWQ_FOLDED, **STATIC}),
     # Diagnostics, not candidates (the NVFP4 recipe is W4A4): activations left in BF16 show how much
     # of the answers' KL is the activations' own FP4 rounding, which no weight-side method touches.
     "nvfp4 weights only, max (W4A16 diagnostic)": ("nvfp4", {**OWN, **W4A16}),
-    "nvfp4 weights only, AWQ-lite folded (alpha step 0.5) (W4A16 diagnostic)": (
-        "nvfp4", {"algorithm": {"method": "awq_lite", "alpha_step": 0.5}, **AWQ_FOLDED, **W4A16}),
     "mxfp4 max (default)": ("mxfp4", OWN),
-    "mxfp4 AWQ-lite, folded (alpha step 0.25)": ("mxfp4", {"algorithm": {"method": "awq_lite", "alpha_step": 0.25}, **AWQ_FOLDED}),
     "mxfp4 AWQ-lite, folded (alpha step 0.5)": ("mxfp4", {"algorithm": {"method": "awq_lite", "alpha_step": 0.5}, **AWQ_FOLDED}),
     "mxfp4 fold_awq (alpha step 0.25)": ("mxfp4", {"algorithm": {"method": "fold_awq", "alpha_step": 0.25}, **AWQ_FOLDED}),
+    # MXFP4's scales are each block's own power of two, which GPTQ's rounding keeps (gptq.py).
+    "mxfp4 GPTQ (Hessians from every 2nd token)": (
+        "mxfp4", {"algorithm": {**FOLD_GPTQ, "awq": False, "hessian_stride": 2}, **AWQ_FOLDED}),
+    "mxfp4 fold_awq + GPTQ (alpha step 0.5, Hessians from every 2nd token)": (
+        "mxfp4", {"algorithm": {**FOLD_GPTQ, "alpha_step": 0.5, "hessian_stride": 2}, **AWQ_FOLDED}),
 }
 TASKS = ("sentiment", "orders")
 
@@ -109,7 +94,7 @@ for dtype in (torch.bfloat16, torch.float32):
         fakequant.nvfp4_fake_quant(torch.randn(shape, dtype=dtype), 16, torch.tensor(3.0))
         fakequant.mxfp4_fake_quant(torch.randn(shape, dtype=dtype), 32)
 from fp4prep.pipeline import gptq
-gptq.gptq_update(torch.randn(64, 32), torch.eye(32), torch.ones(64, 2), 16, 32)
+gptq.gptq_update(torch.randn(1024, 32), torch.eye(32), torch.ones(1024, 2), 16, 32)
 for dtype in (torch.bfloat16, torch.float32):
     fakequant.static_nvfp4_fake_quant(torch.randn(1024, 576, dtype=dtype), torch.rand(1024 * 36), torch.tensor(3.0))
 measure = Thresholds(continuation_top1=0, answer_kl=1e9, identical_greedy=0, adapter_retention=-1e9, reload_max_logit_diff=1e-3)

@@ -17,9 +17,11 @@ for ``down_proj``. Two things follow that ModelOpt's ``awq_lite`` does not know,
   independent reader is checked against), and keeps no scale at all where none beats that.
 
 Each layer's scales are folded as soon as they are chosen, so the layer ModelOpt writes back is
-plain, and with ``gptq`` GPTQ then rounds the weights the checkpoint will hold (folding after it
-would rescale rows GPTQ had already rounded). What folding did to each weight is recorded per
-layer (``folding``), on disk beside ModelOpt's layer checkpoints, for the retention check.
+plain, and with ``gptq`` GPTQ (``gptq.py``) then rounds the weights the checkpoint will hold
+(folding after it would rescale rows GPTQ had already rounded), its Hessians gathered in the same
+calibration pass as the search's statistics. ``awq=False`` skips the search: max calibration and
+GPTQ alone, as the MXFP4 recipe runs. What folding did to each weight is recorded per layer
+(``folding``), on disk beside ModelOpt's layer checkpoints, for the retention check.
 
 Each expert's ``down_proj`` folds into its own ``up_proj``; routed experts' gate/up (their norm
 feeds every expert) are max-calibrated, never searched. With ``fold_attention_output``, ``o_proj``'s

@@ -32,6 +32,7 @@ from .errors import PipelineError
 from .fold import Factors
 
 BLOCK = 128  # columns updated together before the rest of the matrix is corrected
+CHUNK = 16  # columns rounded in one (compiled) step: within one block scale of NVFP4 or MXFP4
 
 
 @dataclass
@@ -87,9 +88,19 @@ class Hessians:
         self._last = None
 
 
+def _is_mxfp4(quantizer: Any) -> bool:
+    return tuple((quantizer.block_sizes or {}).get("scale_bits") or ()) == (8, 0)
+
+
 @torch.no_grad()
 def quantize_layer(layer: torch.nn.Module, hessians: Hessians, prefix: str, factors: Factors, damp: float) -> None:
-    """Static NVFP4 weight scales for the (folded) layer, then GPTQ's rounding of its weights.
+    """Weight scales for the (folded) layer, then GPTQ's rounding of its weights.
+
+    NVFP4 weights need static scales (the checkpoint stores what calibration fixed; max
+    calibration of the folded weights sets them here). MXFP4's power-of-two scales are the block
+    maxima's, computed again at export: a block GPTQ rounded on the grid of scale ``s`` exports on
+    the same grid, or, if its largest value fell to ``3 s`` or below, on the grid of ``s / 2`` or
+    finer, which holds every value of the coarser one up to ``3 s``; either way the same values.
 
     ``factors`` says what folding multiplied each projection's input by (``in_scale``, keyed by
     ``prefix`` + name + ``.weight``); the Hessians, of the unquantized inputs, were gathered before
@@ -99,7 +110,8 @@ def quantize_layer(layer: torch.nn.Module, hessians: Hessians, prefix: str, fact
     from modelopt.torch.quantization.model_calib import max_calibrate
 
     for name, module in hessians.modules.items():
-        if not getattr(module.weight_quantizer, "block_sizes", {}).get("type") == "static":
+        quantizer = module.weight_quantizer
+        if not (_is_mxfp4(quantizer) or (quantizer.block_sizes or {}).get("type") == "static"):
             raise PipelineError(f"GPTQ needs static NVFP4 weight scales; {name} has dynamic ones")
     # The weights' block scales and the shared global scales of fused groups, from the folded
     # weights; activations keep the amax their calibration (and the fold) gave them.
@@ -119,7 +131,6 @@ def quantize_layer(layer: torch.nn.Module, hessians: Hessians, prefix: str, fact
 def _update(modules: list[Any], hessian: torch.Tensor, damp: float) -> None:
     """GPTQ on the modules that read one input, their rows stacked into one matrix."""
     from modelopt.torch.quantization.utils.calib_utils import compute_hessian_inverse
-    from modelopt.torch.quantization.utils.numeric_utils import fp8_max_for_normalization
 
     weights = [m.weight.detach().float() for m in modules]
     weight = torch.cat(weights)
@@ -127,10 +138,26 @@ def _update(modules: list[Any], hessian: torch.Tensor, damp: float) -> None:
     h_inv = compute_hessian_inverse(hessian.to(device), weight, damp)
     quantizers = [m.weight_quantizer for m in modules]
     group = int(quantizers[0].block_sizes.get(-1) or 16)
+    if _is_mxfp4(quantizers[0]):
+        scales = torch.exp2(fakequant.mxfp4_exponents(weight, group))
+        gptq_update(weight, h_inv, scales, group, BLOCK)
+    else:
+        _update_nvfp4(weight, weights, quantizers, h_inv, group)
+    start = 0
+    for m, w in zip(modules, weights, strict=True):
+        m.weight.data.copy_(weight[start : start + w.shape[0]].to(m.weight.dtype))
+        start += w.shape[0]
+
+
+def _update_nvfp4(
+    weight: torch.Tensor, weights: list[torch.Tensor], quantizers: list[Any], h_inv: torch.Tensor, group: int
+) -> None:
+    from modelopt.torch.quantization.utils.numeric_utils import fp8_max_for_normalization
+
     amax = torch.cat([q.amax.reshape(w.shape[0], w.shape[1] // group).float() for q, w in zip(quantizers, weights, strict=True)])
     global_amax = quantizers[0].global_amax.float()
     if (
-        device.type == "cuda"
+        weight.device.type == "cuda"
         and all(torch.equal(q.global_amax.float(), global_amax) for q in quantizers)
         and all(fp8_max_for_normalization(q) == fakequant.E4M3_MAX for q in quantizers)
     ):
@@ -140,18 +167,12 @@ def _update(modules: list[Any], hessian: torch.Tensor, damp: float) -> None:
         gptq_blockwise_update_fused_scalar(
             weight, amax, global_amax.item() / (6.0 * fakequant.E4M3_MAX), h_inv, BLOCK, group
         )
-    else:
-        scales = torch.cat([
-            fakequant.static_nvfp4_scales(
-                a, q.global_amax, fp8_max=fp8_max_for_normalization(q)
-            ).to(device)
-            for q, a in zip(quantizers, amax.split([w.shape[0] for w in weights]), strict=True)
-        ])
-        gptq_update(weight, h_inv, scales, group, BLOCK)
-    start = 0
-    for m, w in zip(modules, weights, strict=True):
-        m.weight.data.copy_(weight[start : start + w.shape[0]].to(m.weight.dtype))
-        start += w.shape[0]
+        return
+    scales = torch.cat([
+        fakequant.static_nvfp4_scales(a, q.global_amax, fp8_max=fp8_max_for_normalization(q)).to(weight.device)
+        for q, a in zip(quantizers, amax.split([w.shape[0] for w in weights]), strict=True)
+    ])
+    gptq_update(weight, h_inv, scales, group, BLOCK)
 
 
 # --- the update ------------------------------------------------------------------------------
@@ -162,15 +183,15 @@ def gptq_update(weight: torch.Tensor, h_inv: torch.Tensor, scales: torch.Tensor,
     scale (``scales``: one column per ``group`` weight columns), its error spread over the columns
     after it through the inverse Hessian's upper Cholesky factor ``h_inv``."""
     columns = weight.shape[1]
-    if block_size % group or columns % group:
+    if block_size % group or columns % group or group % CHUNK:
         raise PipelineError(f"GPTQ: {columns} columns in blocks of {block_size} can't be rounded in groups of {group}")
     for start in range(0, columns, block_size):
         end = min(start + block_size, columns)
         block = weight[:, start:end].clone()
         h_block = h_inv[start:end, start:end]
         errors = torch.empty_like(block)
-        for first in range(0, end - start, group):
-            last = first + group
+        for first in range(0, end - start, CHUNK):
+            last = first + CHUNK
             rounded, error = _round_group(
                 block[:, first:last].contiguous(), h_block[first:last, first:last].contiguous(),
                 scales[:, (start + first) // group].contiguous(),
@@ -200,7 +221,8 @@ def _round_group_eager(w: torch.Tensor, h: torch.Tensor, scale: torch.Tensor) ->
 
 
 # Each row's chain is independent of the others: compiled, one loop over rows whatever its length.
-_round_group = fakequant.fused(_round_group_eager, min_values=0)
+# Matrices of fewer rows (tiny test models) stay eager: not worth a compile in every new worker.
+_round_group = fakequant.fused(_round_group_eager, min_values=CHUNK * 512)
 
 
 def register() -> None:

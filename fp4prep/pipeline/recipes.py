@@ -55,13 +55,14 @@ class Recipe:
     def calibration(self) -> str:
         """How the quantizers are calibrated, in words (the model card and ``fp4prep.json`` say it)."""
         algorithm = self.algorithm or {}
-        words = str(algorithm.get("method", "max"))
-        if "alpha_step" in algorithm:
+        searched = algorithm.get("method") != "fold_awq" or algorithm.get("awq", True)
+        words = str(algorithm.get("method", "max")) if searched else "max"
+        if searched and "alpha_step" in algorithm:
             words += f" (alpha step {algorithm['alpha_step']})"
         if self.folds_pre_quant_scale:
             words += ", scales folded into the preceding norms and projections"
         if algorithm.get("gptq"):
-            words += ", then GPTQ against static weight scales"
+            words += ", then GPTQ against " + ("static weight scales" if self.static_weight_scales else "each block's own scale")
         return words
 
     def quant_config(self, use_cpu_backend: bool) -> dict[str, Any]:
@@ -98,11 +99,13 @@ RECIPES: dict[str, Recipe] = {
         weight_bits=4.5,
         activations_quantized=True,
         # fold_awq (pipeline/awq.py): AWQ's per-channel scales, one per fold group, searched on the
-        # W4A4 outputs engines compute, then folded into the preceding norms and projections so
-        # that engines run plain NVFP4.
-        algorithm={"method": "fold_awq", "alpha_step": 0.25},
+        # W4A4 outputs engines compute and folded into the preceding norms and projections so that
+        # engines run plain NVFP4; then GPTQ (pipeline/gptq.py) rounds each folded layer's weights
+        # against static block scales, its Hessians from every second calibration token.
+        algorithm={"method": "fold_awq", "alpha_step": 0.5, "gptq": True, "hessian_stride": 2},
         mutates_weights=True,
         folds_pre_quant_scale=True,
+        static_weight_scales=True,
         thresholds=Thresholds(
             continuation_top1=0.9,
             answer_kl=0.3,
@@ -121,6 +124,11 @@ RECIPES: dict[str, Recipe] = {
         quant_algo="mxfp4-pack-quantized",
         weight_bits=4.25,
         activations_quantized=False,
+        # GPTQ (pipeline/gptq.py, inside fold_awq's layer pass with its AWQ search off): each
+        # layer's weights rounded on their blocks' power-of-two grids with the Hessian of the BF16
+        # inputs the engine multiplies them by, from every second calibration token.
+        algorithm={"method": "fold_awq", "awq": False, "gptq": True, "hessian_stride": 2},
+        mutates_weights=True,
         thresholds=Thresholds(
             continuation_top1=0.9,
             answer_kl=0.3,

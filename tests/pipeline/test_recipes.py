@@ -50,9 +50,10 @@ def stored(directory: Path) -> dict[str, torch.Tensor]:
         ("llama", "nvfp4", AWQ_HEADS),
         ("llama", "nvfp4", AWQ_GPTQ),
         ("glm4_moe", "nvfp4", AWQ_GPTQ),
+        ("llama", "mxfp4", {**AWQ_GPTQ, "static_weight_scales": False}),  # MXFP4's scales are the blocks' own
     ],
     ids=["llama-nvfp4", "glm4_moe-nvfp4", "llama-mxfp4", "llama-nvfp4-awq_lite", "llama-nvfp4-o_proj",
-         "llama-nvfp4-gptq", "glm4_moe-nvfp4-gptq"],
+         "llama-nvfp4-gptq", "glm4_moe-nvfp4-gptq", "llama-mxfp4-gptq"],
 )
 def test_awq_scales_are_folded_away_and_the_checkpoint_is_the_plain_format(
     make_base: Any, tmp_path: Path, calibration_file: Path, arch: str, fmt: str, awq: dict[str, Any]
