@@ -53,8 +53,8 @@ CANDIDATES: dict[str, tuple[str, dict[str, Any]]] = {
     "nvfp4 fold_awq (alpha step 0.25)": ("nvfp4", {"algorithm": {"method": "fold_awq", "alpha_step": 0.25}, **AWQ_FOLDED}),
     "nvfp4 fold_awq (alpha step 0.5)": ("nvfp4", {"algorithm": {"method": "fold_awq", "alpha_step": 0.5}, **AWQ_FOLDED}),
     # fold_awq, then GPTQ on the folded weights against static scales (fp4prep/pipeline/gptq.py).
-    "nvfp4 fold_awq + GPTQ (alpha step 0.5, Hessians from every 2nd token)": (
-        "nvfp4", {"algorithm": {**FOLD_GPTQ, "alpha_step": 0.5, "hessian_stride": 2}, **AWQ_FOLDED, **STATIC}),
+    # The recipe as fp4prep runs it (recipes.py), unchanged.
+    "nvfp4 fold_awq (alpha step 0.5) + GPTQ (Hessians from every 2nd token): the recipe": ("nvfp4", {}),
     "nvfp4 fold_awq + GPTQ (alpha step 0.25, Hessians from every token)": (
         "nvfp4", {"algorithm": {**FOLD_GPTQ}, **AWQ_FOLDED, **STATIC}),
     "nvfp4 fold_awq + GPTQ (alpha step 0.5, Hessians from every 2nd token, next-layer inputs quantized)": (
@@ -69,8 +69,7 @@ CANDIDATES: dict[str, tuple[str, dict[str, Any]]] = {
     "mxfp4 AWQ-lite, folded (alpha step 0.5)": ("mxfp4", {"algorithm": {"method": "awq_lite", "alpha_step": 0.5}, **AWQ_FOLDED}),
     "mxfp4 fold_awq (alpha step 0.25)": ("mxfp4", {"algorithm": {"method": "fold_awq", "alpha_step": 0.25}, **AWQ_FOLDED}),
     # MXFP4's scales are each block's own power of two, which GPTQ's rounding keeps (gptq.py).
-    "mxfp4 GPTQ (Hessians from every 2nd token)": (
-        "mxfp4", {"algorithm": {**FOLD_GPTQ, "awq": False, "hessian_stride": 2}, **AWQ_FOLDED}),
+    "mxfp4 GPTQ (Hessians from every 2nd token): the recipe": ("mxfp4", {}),
     "mxfp4 fold_awq + GPTQ (alpha step 0.5, Hessians from every 2nd token)": (
         "mxfp4", {"algorithm": {**FOLD_GPTQ, "alpha_step": 0.5, "hessian_stride": 2}, **AWQ_FOLDED}),
 }
@@ -167,8 +166,8 @@ def main() -> None:
 
 
 def table(rows: list[dict[str, Any]]) -> None:
-    defaults = {(r["task"], r["candidate"].split()[0]): r["calibrating_s"] for r in rows if "(default)" in r["candidate"] and "failed" not in r}
-    print("\n| adapter | candidate | KL on answers | top-1 on answers | top-1 on BF16's continuations | identical greedy "
+    defaults = {(r["task"], r["candidate"].split()[0]): r for r in rows if "(default)" in r["candidate"] and "failed" not in r}
+    print("\n| adapter | candidate | KL on answers (× default) | top-1 on answers | top-1 on BF16's continuations | identical greedy "
           "| task: BF16 → FP4 | calibrating (× default) | peak RSS | reload |")
     print("|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
@@ -176,9 +175,11 @@ def table(rows: list[dict[str, Any]]) -> None:
             print(f"| {r['task']} | {r['candidate']} | failed: {r['failed']} |||||||")
             continue
         base = defaults.get((r["task"], r["candidate"].split()[0]))
-        ratio = f" ({r['calibrating_s'] / base:.1f}×)" if base else ""
+        ratio = f" ({r['calibrating_s'] / base['calibrating_s']:.1f}×)" if base else ""
+        kl_ratio = f" ({r['answer_kl'] / base['answer_kl']:.2f}×)" if base else ""
         task = f"{r['bf16_success']:.0%} → {r['success']:.0%}" if r["success"] is not None else "n/a"
-        print(f"| {r['task']} | {r['candidate']} | {r['answer_kl']:.4f} | {r['answer_top1']:.3f} | {r['continuation_top1']:.3f} | "
+        name = f"**{r['candidate']}**" if r["candidate"].endswith("the recipe") else r["candidate"]
+        print(f"| {r['task']} | {name} | {r['answer_kl']:.4f}{kl_ratio} | {r['answer_top1']:.3f} | {r['continuation_top1']:.3f} | "
               f"{r['identical_greedy']:.2f} | {task} | {r['calibrating_s']:.1f} s{ratio} | {r['peak_rss_mib']:.0f} MiB | {r['reload']:.1g} |")
 
 
