@@ -29,12 +29,16 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-AWQ_FOLDED = {"mutates_weights": True, "folds_pre_quant_scale": True}  # GPTQ's changes are kept the same way
+# The weights' block scales computed as they are quantized, as ModelOpt's configs have them (the
+# NVFP4 recipe fixes them in calibration, for GPTQ: STATIC).
+DYNAMIC = {"static_weight_scales": False}
+STATIC = {"static_weight_scales": True}
+# AWQ's scales folded into the weights, which are then written back (GPTQ's changes are kept the same way).
+AWQ_FOLDED = {"mutates_weights": True, "folds_pre_quant_scale": True, **DYNAMIC}
 # ModelOpt's config as it is, with its own calibration: what the peers run by hand. "(default)"
 # rows are the baseline each format's calibration time is compared with.
-OWN = {"algorithm": None, "mutates_weights": False, "folds_pre_quant_scale": False}
+OWN = {"algorithm": None, "mutates_weights": False, "folds_pre_quant_scale": False, **DYNAMIC}
 W4A16 = {"activations_quantized": False, "quant_algo": "W4A16_NVFP4"}
-STATIC = {"static_weight_scales": True}
 FOLD_GPTQ = {"method": "fold_awq", "alpha_step": 0.25, "gptq": True}
 QDQ_INPUTS = {"get_qdq_activations_from_prev_layer": True}
 # name -> (format, the changes to the format's recipe)
@@ -52,6 +56,8 @@ CANDIDATES: dict[str, tuple[str, dict[str, Any]]] = {
     # candidates scored on 2048 evenly spread calibration tokens unless said otherwise.
     "nvfp4 fold_awq (alpha step 0.25)": ("nvfp4", {"algorithm": {"method": "fold_awq", "alpha_step": 0.25}, **AWQ_FOLDED}),
     "nvfp4 fold_awq (alpha step 0.5)": ("nvfp4", {"algorithm": {"method": "fold_awq", "alpha_step": 0.5}, **AWQ_FOLDED}),
+    "nvfp4 fold_awq (alpha step 0.5), static weight scales": (
+        "nvfp4", {"algorithm": {"method": "fold_awq", "alpha_step": 0.5}, **AWQ_FOLDED, **STATIC}),
     # fold_awq, then GPTQ on the folded weights against static scales (fp4prep/pipeline/gptq.py).
     # The recipe as fp4prep runs it (recipes.py), unchanged.
     "nvfp4 fold_awq (alpha step 0.5) + GPTQ (Hessians from every 2nd token): the recipe": ("nvfp4", {}),

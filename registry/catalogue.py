@@ -72,19 +72,20 @@ CATALOGUE: list[dict[str, Any]] = [
         "accepted_base_ids": ["HuggingFaceTB/SmolLM2-135M-Instruct"],
         "served_base_id": "fp4prep/SmolLM2-135M-Instruct-NVFP4",
         "quantization": "nvfp4",
-        # Measured on the demo with the NVFP4 recipe (benchmarks/parity_bars.py and
-        # recipe_search.py, BF16 merged vs checkpoint): sound checkpoints of both adapters score KL
-        # on the answers 0.03-0.10, top-1 on the BF16 model's continuations 0.97-1.0, identical
-        # greedy 0.81-1.0, retention 0.99-1.0, reload 0.0. Damaged ones: the adapter lost, KL
-        # 0.9-1.8; one layer's down_proj scrambled (layers 0-29), KL 0.15-12 while top-1 and
-        # identical greedy can stay near the sound figures, so KL is the bar that catches them: 0.15
-        # is 1.5x the worst sound figure (tests/pipeline/test_parity_gate.py).
+        # Measured on the demo with the NVFP4 recipe (benchmarks/parity_bars.py, BF16 merged vs
+        # checkpoint, 16 held-back conversations as a job measures them): sound checkpoints of both
+        # adapters score top-1 on the BF16 model's continuations 0.992-1.0 and KL on the answers
+        # 0.022-0.068. Damaged ones: the adapter lost, top-1 0.35-0.72 and KL 0.95-1.8; one layer's
+        # down_proj scrambled (layers 0-29), top-1 0.004-0.961 and KL 0.085-12. No one figure
+        # separates them (orders, layer 12: KL 0.085; layer 24: top-1 0.961), the two together do:
+        # top-1 at least 0.96 (5x the worst sound disagreement, 0.008) and KL at most 0.12 (1.75x
+        # the worst sound KL). tests/pipeline/test_parity_gate.py checks both sides on the demo.
         "recipe": {
             "calibration_tokens": 8192,
             "sequence_length": 512,
             "thresholds": {
-                "continuation_top1": 0.9,
-                "answer_kl": 0.15,
+                "continuation_top1": 0.96,
+                "answer_kl": 0.12,
                 "identical_greedy": 0.6,
                 "adapter_retention": 0.9,
                 "reload_max_logit_diff": 1e-3,

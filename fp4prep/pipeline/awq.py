@@ -44,7 +44,18 @@ import torch
 
 from . import fakequant
 from .errors import PipelineError
-from .fold import HEAD_SOURCE, HEAD_TARGET, NORM_GROUPS, Factors, fold_layer, head_tie, row_target, tied
+from .fold import (
+    HEAD_SOURCE,
+    HEAD_TARGET,
+    NORM_GROUPS,
+    Factors,
+    calibrate_weights,
+    fold_layer,
+    has_static_weight_scales,
+    head_tie,
+    row_target,
+    tied,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -277,6 +288,9 @@ def search(
         if folded is None:
             raise PipelineError(f"{METHOD} with gptq rounds the folded layer: calibrate inside awq.folding(model)")
         gptq_mod.quantize_layer(layer, hessians, folded[1], folded[2], gptq_damp)
+    elif has_static_weight_scales(layer):
+        # Scaling and folding changed the weights after max calibration fixed their scales.
+        calibrate_weights(layer)
     if folded is not None:
         record, _prefix, factors = folded
         record.add(record.layers[id(layer)][0], factors)

@@ -89,6 +89,24 @@ def _recalibrate_weight(module: Any) -> None:
     max_calibrate(module, lambda m: m.weight_quantizer(m.weight))
 
 
+def has_static_weight_scales(layer: torch.nn.Module) -> bool:
+    return any((getattr(getattr(m, "weight_quantizer", None), "block_sizes", None) or {}).get("type") == "static"
+               for m in layer.modules())
+
+
+@torch.no_grad()
+def calibrate_weights(layer: torch.nn.Module) -> None:
+    """Max-calibrate the weight quantizers of ``layer`` again, from its weights as they are now:
+    the block scales, and the global scales fused projections share. Static weight scales are
+    fixed when calibrated, so after the weights changed (a fold, a scale) they must be set again;
+    activations keep the amax their calibration (and the fold) gave them."""
+    from modelopt.torch.quantization.conversion import set_quantizer_by_cfg_context
+    from modelopt.torch.quantization.model_calib import max_calibrate
+
+    with set_quantizer_by_cfg_context(layer, [{"quantizer_name": "*input_quantizer", "enable": False}]):
+        max_calibrate(layer)
+
+
 def _scale_weight(module: Any, rows: torch.Tensor | None = None, columns: torch.Tensor | None = None) -> None:
     weight = module.weight.data.float()
     if rows is not None:

@@ -29,7 +29,7 @@ import torch
 
 from . import fakequant
 from .errors import PipelineError
-from .fold import Factors
+from .fold import Factors, calibrate_weights
 
 BLOCK = 128  # columns updated together before the rest of the matrix is corrected
 CHUNK = 16  # columns rounded in one (compiled) step: within one block scale of NVFP4 or MXFP4
@@ -106,17 +106,11 @@ def quantize_layer(layer: torch.nn.Module, hessians: Hessians, prefix: str, fact
     ``prefix`` + name + ``.weight``); the Hessians, of the unquantized inputs, were gathered before
     that. A projection no calibration token reached (an unrouted expert) keeps its max-calibrated
     weights."""
-    from modelopt.torch.quantization.conversion import set_quantizer_by_cfg_context
-    from modelopt.torch.quantization.model_calib import max_calibrate
-
     for name, module in hessians.modules.items():
         quantizer = module.weight_quantizer
         if not (_is_mxfp4(quantizer) or (quantizer.block_sizes or {}).get("type") == "static"):
             raise PipelineError(f"GPTQ needs static NVFP4 weight scales; {name} has dynamic ones")
-    # The weights' block scales and the shared global scales of fused groups, from the folded
-    # weights; activations keep the amax their calibration (and the fold) gave them.
-    with set_quantizer_by_cfg_context(layer, [{"quantizer_name": "*input_quantizer", "enable": False}]):
-        max_calibrate(layer)
+    calibrate_weights(layer)  # the block scales GPTQ rounds against, from the folded weights
     for entry in hessians.inputs.values():
         if entry.hessian is None or entry.tokens == 0:
             continue

@@ -58,8 +58,10 @@ def test_a_checkpoint_that_lost_the_adapter_fails_on_parity(assets: demo.DemoAss
     # Calibrated on less and self-checked on fewer prompts than a real run: what this test measures
     # is the parity against the merged model below.
     out = tmp_path / "base-only"
-    # Max calibration rather than the recipe's AWQ search, which would only cost time here.
-    max_calibrated = dataclasses.replace(RECIPES["nvfp4"], algorithm=None, mutates_weights=False, folds_pre_quant_scale=False)
+    # ModelOpt's max calibration rather than the recipe's AWQ search and GPTQ, which would only cost
+    # time here.
+    max_calibrated = dataclasses.replace(RECIPES["nvfp4"], algorithm=None, mutates_weights=False,
+                                         folds_pre_quant_scale=False, static_weight_scales=False)
     run(PipelineConfig(base_dir=assets.base_dir, output_dir=out, calibration_file=assets.calibration_file,
                        calibration_tokens=2048, parity_prompts=4, quality_gate=False, device="cpu",
                        recipe=max_calibrated))

@@ -148,3 +148,31 @@ def test_a_calibrated_model_the_engine_would_not_reproduce_fails_the_reload_chec
     with pytest.raises(PipelineError, match="the reloaded checkpoint's logits differ from the calibrated model's"):
         run_tiny(llama_base, tmp_path / "out", recipe=mismatched)
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("static", [False, True], ids=["dynamic", "static"])
+def test_max_calibrated_awq_checkpoints_have_block_scales_that_fit_their_weights(
+    llama_base: Path, tmp_path: Path, calibration_file: Path, static: bool
+) -> None:
+    # Without GPTQ, each block's scale is its largest weight's over 6 (rounded to FP8): that weight's
+    # FP4 code is 6 (nibble 7) in every block. Scales fixed before AWQ rescaled the weights would
+    # leave blocks that never reach it, or clip them.
+    out = tmp_path / "out"
+    result = run_tiny(llama_base, out, calibration_file=calibration_file,
+                      recipe=variant("nvfp4", **AWQ, static_weight_scales=static))
+    assert result.reload_max_logit_diff == 0.0
+    tensors = stored(out)
+    packed = [k for k in tensors if k.endswith(".weight") and tensors[k].dtype == torch.uint8]
+    assert packed
+    for name in packed:
+        codes = tensors[name]
+        magnitudes = torch.stack([codes & 0x7, (codes >> 4) & 0x7], dim=-1).reshape(codes.shape[0], -1, 16)
+        assert bool((magnitudes.amax(dim=-1) == 7).all()), name
+    # And one block of each fused group (q/k/v, gate/up, the others alone: those that share a
+    # global scale) holds the group's largest weight: its FP8 block scale is E4M3's largest, 448.
+    groups: dict[tuple[str, float], float] = {}
+    for name in packed:
+        prefix = name.rsplit(".", 2)[0]
+        key = (prefix, float(tensors[name + "_scale_2"]))
+        groups[key] = max(groups.get(key, 0.0), float(tensors[name + "_scale"].float().max()))
+    assert set(groups.values()) == {448.0}, groups
