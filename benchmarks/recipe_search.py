@@ -61,6 +61,11 @@ CANDIDATES: dict[str, tuple[str, dict[str, Any]]] = {
     # fold_awq, then GPTQ on the folded weights against static scales (fp4prep/pipeline/gptq.py).
     # The recipe as fp4prep runs it (recipes.py), unchanged.
     "nvfp4 fold_awq (alpha step 0.5) + GPTQ (Hessians from every 2nd token): the recipe": ("nvfp4", {}),
+    "nvfp4 fold_awq + GPTQ (alpha step 1.0, Hessians from every 2nd token)": (
+        "nvfp4", {"algorithm": {**FOLD_GPTQ, "alpha_step": 1.0, "hessian_stride": 2}, **AWQ_FOLDED, **STATIC}),
+    "nvfp4 fold_awq + GPTQ (alpha step 0.5, 1024 tokens scored, Hessians from every 2nd token)": (
+        "nvfp4", {"algorithm": {**FOLD_GPTQ, "alpha_step": 0.5, "scored_tokens": 1024, "hessian_stride": 2},
+                  **AWQ_FOLDED, **STATIC}),
     "nvfp4 fold_awq + GPTQ (alpha step 0.25, Hessians from every token)": (
         "nvfp4", {"algorithm": {**FOLD_GPTQ}, **AWQ_FOLDED, **STATIC}),
     "nvfp4 fold_awq + GPTQ (alpha step 0.5, Hessians from every 2nd token, next-layer inputs quantized)": (

@@ -96,9 +96,9 @@ def register() -> None:
         )
         gptq: bool = ModeloptField(
             default=False,
-            title="Then GPTQ on the smoothed weights (needs static NVFP4 weight scales).",
+            title="Then GPTQ on the smoothed weights (NVFP4 needs static weight scales).",
             description="Each projection's rounding error spread over its later columns through the "
-            "inverse Hessian of its quantized inputs, after the AWQ scales are applied.",
+            "inverse Hessian of its unquantized inputs, as the AWQ scales left them.",
         )
         awq: bool = ModeloptField(default=True, title="Search AWQ scales (off: max calibration, then GPTQ alone).")
         hessian_stride: int = ModeloptField(

@@ -1,4 +1,4 @@
-"""GPTQ on one decoder layer, after ``fold_awq`` has chosen and folded its scales.
+"""GPTQ on one decoder layer, after ``fold_awq`` has chosen and folded its scales (or alone).
 
 GPTQ rounds a projection's weights one input column at a time and spreads each column's rounding
 error over the columns not yet rounded, through the inverse Hessian ``(X^T X)^-1`` of the
@@ -7,13 +7,18 @@ runs two more passes over the layer's calibration inputs (max calibration, then 
 update per projection. Here the Hessians are gathered in the pass ``fold_awq`` makes anyway, once
 per input that several projections read (q/k/v, gate/up), and carried through the AWQ scale the
 fold gave that input (``x * c`` has Hessian ``diag(c) H diag(c)``); projections that read one input
-are rounded together, as one matrix. The weight scales are static NVFP4 (fixed per block before the
+are rounded together, as one matrix. NVFP4's weight scales are static (fixed per block before the
 update, as the checkpoint stores them), computed by ModelOpt's max calibration of the folded
-weights.
+weights; MXFP4's are each block's own power of two (see ``quantize_layer``).
 
-On CUDA the update is ModelOpt's fused Triton kernel (one launch per 128 columns: an MoE layer has
-thousands of expert matrices). On a CPU it is ``gptq_update``, which rounds the 16 columns that
-share a block scale in one step: each row's 16 roundings depend only on that row, so the 16-column
+Routed experts, which transformers keeps fused in one module per layer (and ModelOpt quantizes as
+such, not as Linear layers), keep their max-calibrated weights: GPTQ covers attention, dense MLPs
+and shared experts, so its Hessians stay a handful per layer (one ``hidden``² matrix per input
+read, one ``intermediate``² per ``down_proj``), never one per expert.
+
+On CUDA the NVFP4 update is ModelOpt's fused Triton kernel (one launch per 128 columns). On a CPU,
+and for MXFP4, it is ``gptq_update``, which rounds the 16 columns that share a block scale in one
+step: each row's 16 roundings depend only on that row, so the 16-column
 chain compiles into one loop over the rows, where column by column in eager torch it costs a dozen
 small operations per column. With ``register``, ModelOpt's own ``gptq`` uses it too for the CPU
 backend's quantizers (ModelOpt's fallback fake-quantizes the whole matrix for every column: hours
@@ -48,7 +53,7 @@ class Hessians:
     """``X^T X`` of the inputs of every quantized projection of ``layer``, one per distinct input.
 
     Projections that are called with the very same tensor (q/k/v after the norm, gate/up) share one
-    Hessian; the others (o_proj, down_proj, each expert's) get their own. Collected by forward
+    Hessian; the others (o_proj, down_proj, a shared expert's) get their own. Collected by forward
     pre-hooks until ``remove``.
     """
 
@@ -104,8 +109,7 @@ def quantize_layer(layer: torch.nn.Module, hessians: Hessians, prefix: str, fact
 
     ``factors`` says what folding multiplied each projection's input by (``in_scale``, keyed by
     ``prefix`` + name + ``.weight``); the Hessians, of the unquantized inputs, were gathered before
-    that. A projection no calibration token reached (an unrouted expert) keeps its max-calibrated
-    weights."""
+    that. A projection no calibration token reached keeps its max-calibrated weights."""
     for name, module in hessians.modules.items():
         quantizer = module.weight_quantizer
         if not (_is_mxfp4(quantizer) or (quantizer.block_sizes or {}).get("type") == "static"):
@@ -155,7 +159,7 @@ def _update_nvfp4(
         and all(torch.equal(q.global_amax.float(), global_amax) for q in quantizers)
         and all(fp8_max_for_normalization(q) == fakequant.E4M3_MAX for q in quantizers)
     ):
-        # ModelOpt's Triton kernel: one launch per block of columns (experts have thousands).
+        # ModelOpt's Triton kernel: one launch per block of columns.
         from modelopt.torch.quantization.utils.calib_utils import gptq_blockwise_update_fused_scalar
 
         gptq_blockwise_update_fused_scalar(

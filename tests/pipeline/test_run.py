@@ -82,8 +82,13 @@ def test_it_prepares_a_checkpoint_engines_load_as_is(
     assert lineage["calibration_sha256"] == result.corpus.calibration_sha256
     assert len(lineage["calibration_sha256"]) == 64
     assert lineage["recipe"]["name"] == quantization
-    # How it was calibrated is on record and in the model card: NVFP4 by AWQ, the others by max.
-    expected = {"nvfp4": "fold_awq (alpha step 0.25), scales folded into the preceding norms and projections"}
+    # How it was calibrated is on record and in the model card: NVFP4 by AWQ then GPTQ, MXFP4 by
+    # GPTQ, FP8 by max.
+    expected = {
+        "nvfp4": "fold_awq (alpha step 0.5), scales folded into the preceding norms and projections, "
+                 "then GPTQ against static weight scales",
+        "mxfp4": "max, then GPTQ against each block's own scale",
+    }
     assert lineage["recipe"]["calibration"] == expected.get(quantization, "max")
     assert f"calibration: {lineage['recipe']['calibration']}" in (out / "README.md").read_text()
     assert lineage["tools"]["nvidia-modelopt"] == importlib.metadata.version("nvidia-modelopt")
