@@ -89,9 +89,13 @@ def _recalibrate_weight(module: Any) -> None:
     max_calibrate(module, lambda m: m.weight_quantizer(m.weight))
 
 
+def static_scales(quantizer: Any) -> bool:
+    """Whether ``quantizer``'s block scales are fixed in calibration (not computed as it quantizes)."""
+    return (getattr(quantizer, "block_sizes", None) or {}).get("type") == "static"
+
+
 def has_static_weight_scales(layer: torch.nn.Module) -> bool:
-    return any((getattr(getattr(m, "weight_quantizer", None), "block_sizes", None) or {}).get("type") == "static"
-               for m in layer.modules())
+    return any(static_scales(getattr(m, "weight_quantizer", None)) for m in layer.modules())
 
 
 @torch.no_grad()

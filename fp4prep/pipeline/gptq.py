@@ -34,7 +34,7 @@ import torch
 
 from . import fakequant
 from .errors import PipelineError
-from .fold import Factors, calibrate_weights
+from .fold import Factors, calibrate_weights, static_scales
 
 BLOCK = 128  # columns updated together before the rest of the matrix is corrected
 CHUNK = 16  # columns rounded in one (compiled) step: within one block scale of NVFP4 or MXFP4
@@ -112,7 +112,7 @@ def quantize_layer(layer: torch.nn.Module, hessians: Hessians, prefix: str, fact
     that. A projection no calibration token reached keeps its max-calibrated weights."""
     for name, module in hessians.modules.items():
         quantizer = module.weight_quantizer
-        if not (_is_mxfp4(quantizer) or (quantizer.block_sizes or {}).get("type") == "static"):
+        if not (_is_mxfp4(quantizer) or static_scales(quantizer)):
             raise PipelineError(f"GPTQ needs static NVFP4 weight scales; {name} has dynamic ones")
     calibrate_weights(layer)  # the block scales GPTQ rounds against, from the folded weights
     for entry in hessians.inputs.values():
