@@ -33,7 +33,7 @@ def peak_rss_mib() -> float:
 
 
 def corpus_for(tokenizer, assets):  # noqa: ANN001, ANN201
-    from fp4prep.pipeline import corpus
+    from fp4prep.pipeline.inputs import corpus
 
     return corpus.build(
         tokenizer,
@@ -97,9 +97,13 @@ def child_reference(quantization: str, out: Path) -> dict:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from fp4prep import demo
-    from fp4prep.pipeline import fakequant
+    from fp4prep.pipeline.device import resolve
+    from fp4prep.pipeline.modelopt_ext import backend
+    from fp4prep.pipeline.modelopt_ext.session import Session
 
     assets = demo.build()
+    # The CPU backend, registered for the rest of this child process.
+    Session(resolve("auto")).__enter__()
     stages = {}
     t = time.perf_counter()
     model = AutoModelForCausalLM.from_pretrained(assets.base_dir, dtype=torch.bfloat16)
@@ -114,16 +118,15 @@ def child_reference(quantization: str, out: Path) -> dict:
         import copy
 
         config = copy.deepcopy(config)
-        fakequant.register()
         for entry in config["quant_cfg"]:
             cfg = entry.get("cfg")
-            if isinstance(cfg, dict) and fakequant.handles(cfg.get("num_bits")):
-                cfg["backend"] = fakequant.BACKEND_NAME
+            if isinstance(cfg, dict) and backend.handles(cfg.get("num_bits")):
+                cfg["backend"] = backend.NAME
 
     def forward_loop(m):  # noqa: ANN001, ANN202
         with torch.no_grad():
             for s in sequences:
-                m(s.unsqueeze(0))
+                m(torch.tensor([s]))
 
     mtq.quantize(model, config, forward_loop)
     stages["calibrating+quantizing"] = time.perf_counter() - t
@@ -146,9 +149,12 @@ def parity(out: Path) -> dict:
     from transformers import AutoTokenizer
 
     from fp4prep import demo
-    from fp4prep.pipeline import checkpoint, device, merge, reader, streaming
-    from fp4prep.pipeline import parity as behaviour
-    from fp4prep.pipeline.weights import MergedWeights
+    from fp4prep.pipeline import device
+    from fp4prep.pipeline.model import merge, streaming
+    from fp4prep.pipeline.model import safetensors as checkpoint
+    from fp4prep.pipeline.model.merge import MergedWeights
+    from fp4prep.pipeline.validation import parity as behaviour
+    from fp4prep.pipeline.validation import reader
 
     assets = demo.build()
     tokenizer = AutoTokenizer.from_pretrained(assets.base_dir)
@@ -175,13 +181,13 @@ def parity(out: Path) -> dict:
 def backend_speed() -> str:
     import torch
 
-    from fp4prep.pipeline import fakequant
+    from fp4prep.pipeline.formats import numerics
 
     x = torch.randn(4096, 4096, dtype=torch.bfloat16)
     lines = []
     for name, fn in (
-        ("nvfp4", lambda: fakequant.nvfp4_fake_quant(x, 16, x.abs().amax())),
-        ("mxfp4", lambda: fakequant.mxfp4_fake_quant(x, 32)),
+        ("nvfp4", lambda: numerics.nvfp4_fake_quant(x, 16, x.abs().amax())),
+        ("mxfp4", lambda: numerics.mxfp4_fake_quant(x, 32)),
     ):
         fn()
         started = time.perf_counter()

@@ -21,7 +21,8 @@ def main() -> None:
     from safetensors.torch import load_file, save_file
 
     from fp4prep import demo
-    from fp4prep.pipeline import PipelineConfig, Thresholds, fakequant, run
+    from fp4prep.pipeline import PipelineConfig, Thresholds, run
+    from fp4prep.pipeline.formats import numerics
 
     assets = demo.build()
     # Measure, don't gate: the wrong order is expected to fail the retention threshold.
@@ -34,7 +35,7 @@ def main() -> None:
         weights = load_file(str(snapped / "model.safetensors"))
         for name, w in weights.items():
             if name.endswith("_proj.weight"):
-                weights[name] = fakequant.nvfp4_fake_quant(w, 16, w.abs().amax())
+                weights[name] = numerics.nvfp4_fake_quant(w, 16, w.abs().amax())
         save_file(weights, str(snapped / "model.safetensors"), metadata={"format": "pt"})
         for label, base in (
             ("merged into BF16, then NVFP4", assets.base_dir),

@@ -49,7 +49,7 @@ def scramble(checkpoint: Path, target: Path, layer: int) -> Path:
 def measure(task: str, layers: list[int], quantization: str) -> list[dict[str, Any]]:
     from fp4prep import demo
     from fp4prep.pipeline import PipelineConfig, Thresholds, run
-    from fp4prep.pipeline.runner import parity_of
+    from fp4prep.pipeline.stages import parity_of
 
     assets = demo.build(task=demo.TASKS[task])
     anything = Thresholds(continuation_top1=0, answer_kl=1e9, identical_greedy=0, adapter_retention=-1e9,

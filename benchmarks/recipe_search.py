@@ -8,9 +8,10 @@ assistant turns, top-1 on the BF16 model's own greedy continuations, identical g
 adapter's task success on the checkpoint against BF16, calibration time against the format's
 default recipe, and peak memory.
 
-Only candidates an engine executes are here: weight-side methods (MSE / local-Hessian / 4-over-6
-weight scales, GPTQ, AWQ with its scales folded into norms and projections). SVDQuant (a BF16
-low-rank branch beside each layer) and activation-side changes vLLM does not run are left out.
+The candidates are the recipes fp4prep can run: ModelOpt's max calibration of the format's preset
+(the default the peers run), fp4prep's AWQ search with its scales folded away, GPTQ, and both, with
+their settings varied. Candidates measured earlier and dropped (ModelOpt's AWQ-lite, MSE, local-
+Hessian and 4-over-6 weight scales, its own GPTQ, a weights-only diagnostic) are in RESULTS.md.
 
     .venv/bin/python benchmarks/recipe_search.py [--format nvfp4|mxfp4|all] [--only NAME ...] [--json out.json]
 """
@@ -29,60 +30,34 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-# The weights' block scales computed as they are quantized, as ModelOpt's configs have them (the
-# NVFP4 recipe fixes them in calibration, for GPTQ: STATIC).
-DYNAMIC = {"static_weight_scales": False}
-STATIC = {"static_weight_scales": True}
-# AWQ's scales folded into the weights, which are then written back (GPTQ's changes are kept the same way).
-AWQ_FOLDED = {"mutates_weights": True, "folds_pre_quant_scale": True, **DYNAMIC}
-# ModelOpt's config as it is, with its own calibration: what the peers run by hand. "(default)"
-# rows are the baseline each format's calibration time is compared with.
-OWN = {"algorithm": None, "mutates_weights": False, "folds_pre_quant_scale": False, **DYNAMIC}
-W4A16 = {"activations_quantized": False, "quant_algo": "W4A16_NVFP4"}
-FOLD_GPTQ = {"method": "fold_awq", "alpha_step": 0.25, "gptq": True}
-QDQ_INPUTS = {"get_qdq_activations_from_prev_layer": True}
-# name -> (format, the changes to the format's recipe)
-CANDIDATES: dict[str, tuple[str, dict[str, Any]]] = {
-    "nvfp4 max (default)": ("nvfp4", OWN),
-    "nvfp4 4/6 weight scales": ("nvfp4", {**OWN, "modelopt_config": "NVFP4_FOUR_OVER_SIX_CFG"}),
-    "nvfp4 MSE weight scales (FP8 sweep)": ("nvfp4", {**OWN, "modelopt_config": "NVFP4_W4A4_WEIGHT_MSE_FP8_SWEEP_CFG"}),
-    "nvfp4 local-Hessian weight scales": ("nvfp4", {**OWN, "modelopt_config": "NVFP4_W4A4_WEIGHT_LOCAL_HESSIAN_CFG"}),
-    # ModelOpt's own GPTQ (its passes: max calibration, Hessians of the quantized inputs per
-    # projection, next-layer inputs through the quantized layer), with the CPU backend's update.
-    "nvfp4 GPTQ (ModelOpt's)": ("nvfp4", {**OWN, **STATIC, "algorithm": {"method": "gptq"}, "mutates_weights": True}),
-    "nvfp4 AWQ-lite, folded (alpha step 0.5)": ("nvfp4", {"algorithm": {"method": "awq_lite", "alpha_step": 0.5}, **AWQ_FOLDED}),
-    # fp4prep's own AWQ search (fp4prep/pipeline/awq.py): one scale per fold group, scored with
+# name -> (format, the recipe's steps: [(step class name, its fields)]). A recipe with no steps is
+# ModelOpt's own max calibration of the format's preset: what the peers run by hand. "(default)"
+# rows are the baseline each format's KL and calibration time are compared with.
+AWQ = "AwqSearch"
+GPTQ = "Gptq"
+CANDIDATES: dict[str, tuple[str, list[tuple[str, dict[str, Any]]]]] = {
+    "nvfp4 max (default)": ("nvfp4", []),
+    # fp4prep's AWQ search (fp4prep/pipeline/algorithms/awq.py): one scale per fold group, scored with
     # weights and activations quantized as the engine runs them, no scale where none is better;
     # candidates scored on 2048 evenly spread calibration tokens unless said otherwise.
-    "nvfp4 fold_awq (alpha step 0.25)": ("nvfp4", {"algorithm": {"method": "fold_awq", "alpha_step": 0.25}, **AWQ_FOLDED}),
-    "nvfp4 fold_awq (alpha step 0.5)": ("nvfp4", {"algorithm": {"method": "fold_awq", "alpha_step": 0.5}, **AWQ_FOLDED}),
-    "nvfp4 fold_awq (alpha step 0.5), static weight scales": (
-        "nvfp4", {"algorithm": {"method": "fold_awq", "alpha_step": 0.5}, **AWQ_FOLDED, **STATIC}),
-    # fold_awq, then GPTQ on the folded weights against static scales (fp4prep/pipeline/gptq.py).
-    # The recipe as fp4prep runs it (recipes.py), unchanged.
-    "nvfp4 fold_awq (alpha step 0.5) + GPTQ (Hessians from every 2nd token): the recipe": ("nvfp4", {}),
-    "nvfp4 fold_awq + GPTQ (alpha step 1.0, Hessians from every 2nd token)": (
-        "nvfp4", {"algorithm": {**FOLD_GPTQ, "alpha_step": 1.0, "hessian_stride": 2}, **AWQ_FOLDED, **STATIC}),
-    "nvfp4 fold_awq + GPTQ (alpha step 0.5, 1024 tokens scored, Hessians from every 2nd token)": (
-        "nvfp4", {"algorithm": {**FOLD_GPTQ, "alpha_step": 0.5, "scored_tokens": 1024, "hessian_stride": 2},
-                  **AWQ_FOLDED, **STATIC}),
-    "nvfp4 fold_awq + GPTQ (alpha step 0.25, Hessians from every token)": (
-        "nvfp4", {"algorithm": {**FOLD_GPTQ}, **AWQ_FOLDED, **STATIC}),
-    "nvfp4 fold_awq + GPTQ (alpha step 0.5, Hessians from every 2nd token, next-layer inputs quantized)": (
-        "nvfp4", {"algorithm": {**FOLD_GPTQ, "alpha_step": 0.5, "hessian_stride": 2, "layerwise": QDQ_INPUTS},
-                  **AWQ_FOLDED, **STATIC}),
-    "nvfp4 GPTQ alone (Hessians from every 2nd token)": (
-        "nvfp4", {"algorithm": {**FOLD_GPTQ, "awq": False, "hessian_stride": 2}, **AWQ_FOLDED, **STATIC}),
-    # Diagnostics, not candidates (the NVFP4 recipe is W4A4): activations left in BF16 show how much
-    # of the answers' KL is the activations' own FP4 rounding, which no weight-side method touches.
-    "nvfp4 weights only, max (W4A16 diagnostic)": ("nvfp4", {**OWN, **W4A16}),
-    "mxfp4 max (default)": ("mxfp4", OWN),
-    "mxfp4 AWQ-lite, folded (alpha step 0.5)": ("mxfp4", {"algorithm": {"method": "awq_lite", "alpha_step": 0.5}, **AWQ_FOLDED}),
-    "mxfp4 fold_awq (alpha step 0.25)": ("mxfp4", {"algorithm": {"method": "fold_awq", "alpha_step": 0.25}, **AWQ_FOLDED}),
+    "nvfp4 AWQ search (alpha step 0.25)": ("nvfp4", [(AWQ, {"alpha_step": 0.25})]),
+    "nvfp4 AWQ search (alpha step 0.5)": ("nvfp4", [(AWQ, {"alpha_step": 0.5})]),
+    "nvfp4 GPTQ alone (Hessians from every 2nd token)": ("nvfp4", [(GPTQ, {"hessian_stride": 2})]),
+    # The AWQ search, then GPTQ on the folded weights against static scales (algorithms/gptq.py).
+    "nvfp4 AWQ (alpha step 0.5) + GPTQ (Hessians from every 2nd token): the recipe": (
+        "nvfp4", [(AWQ, {"alpha_step": 0.5}), (GPTQ, {"hessian_stride": 2})]),
+    "nvfp4 AWQ (alpha step 1.0) + GPTQ (Hessians from every 2nd token)": (
+        "nvfp4", [(AWQ, {"alpha_step": 1.0}), (GPTQ, {"hessian_stride": 2})]),
+    "nvfp4 AWQ (alpha step 0.5, 1024 tokens scored) + GPTQ (Hessians from every 2nd token)": (
+        "nvfp4", [(AWQ, {"alpha_step": 0.5, "scored_tokens": 1024}), (GPTQ, {"hessian_stride": 2})]),
+    "nvfp4 AWQ (alpha step 0.25) + GPTQ (Hessians from every token)": (
+        "nvfp4", [(AWQ, {"alpha_step": 0.25}), (GPTQ, {"hessian_stride": 1})]),
+    "mxfp4 max (default)": ("mxfp4", []),
+    "mxfp4 AWQ search (alpha step 0.25)": ("mxfp4", [(AWQ, {"alpha_step": 0.25})]),
     # MXFP4's scales are each block's own power of two, which GPTQ's rounding keeps (gptq.py).
-    "mxfp4 GPTQ (Hessians from every 2nd token): the recipe": ("mxfp4", {}),
-    "mxfp4 fold_awq + GPTQ (alpha step 0.5, Hessians from every 2nd token)": (
-        "mxfp4", {"algorithm": {**FOLD_GPTQ, "alpha_step": 0.5, "hessian_stride": 2}, **AWQ_FOLDED}),
+    "mxfp4 GPTQ (Hessians from every 2nd token): the recipe": ("mxfp4", [(GPTQ, {"hessian_stride": 2})]),
+    "mxfp4 AWQ (alpha step 0.5) + GPTQ (Hessians from every 2nd token)": (
+        "mxfp4", [(AWQ, {"alpha_step": 0.5}), (GPTQ, {"hessian_stride": 2})]),
 }
 TASKS = ("sentiment", "orders")
 
@@ -91,22 +66,22 @@ import dataclasses, json, sys, time
 from pathlib import Path
 from fp4prep import demo
 from fp4prep.pipeline import PipelineConfig, Thresholds, run
-from fp4prep.pipeline.recipes import RECIPES
-fmt, changes, task, out, prompts = sys.argv[1], json.loads(sys.argv[2]), sys.argv[3], Path(sys.argv[4]), int(sys.argv[5])
+from fp4prep.pipeline import recipes
+fmt, steps, task, out, prompts = sys.argv[1], json.loads(sys.argv[2]), sys.argv[3], Path(sys.argv[4]), int(sys.argv[5])
 assets = demo.build(task=demo.TASKS[task])
-recipe = dataclasses.replace(RECIPES[fmt], **changes)
+recipe = dataclasses.replace(recipes.RECIPES[fmt], steps=tuple(getattr(recipes, kind)(**fields) for kind, fields in steps))
 # The CPU backend compiles its fused fake quantization once per process (per dtype and rank): done
 # here, before the clock starts, so that no candidate's stage times carry it.
 import torch
-from fp4prep.pipeline import fakequant
+from fp4prep.pipeline.formats import numerics
 for dtype in (torch.bfloat16, torch.float32):
     for shape in ((1024, 576), (2, 512, 576)):
-        fakequant.nvfp4_fake_quant(torch.randn(shape, dtype=dtype), 16, torch.tensor(3.0))
-        fakequant.mxfp4_fake_quant(torch.randn(shape, dtype=dtype), 32)
-from fp4prep.pipeline import gptq
+        numerics.nvfp4_fake_quant(torch.randn(shape, dtype=dtype), 16, torch.tensor(3.0))
+        numerics.mxfp4_fake_quant(torch.randn(shape, dtype=dtype), 32)
+from fp4prep.pipeline.algorithms import gptq
 gptq.gptq_update(torch.randn(1024, 32), torch.eye(32), torch.ones(1024, 2), 16, 32)
 for dtype in (torch.bfloat16, torch.float32):
-    fakequant.static_nvfp4_fake_quant(torch.randn(1024, 576, dtype=dtype), torch.rand(1024 * 36), torch.tensor(3.0))
+    numerics.static_nvfp4_fake_quant(torch.randn(1024, 576, dtype=dtype), torch.rand(1024 * 36), torch.tensor(3.0))
 measure = Thresholds(continuation_top1=0, answer_kl=1e9, identical_greedy=0, adapter_retention=-1e9, reload_max_logit_diff=1e-3)
 started = time.perf_counter()
 result = run(PipelineConfig(base_dir=assets.base_dir, output_dir=out, quantization=fmt, adapter_dir=assets.adapter_dir,
@@ -119,10 +94,10 @@ print(json.dumps({**result.to_dict(), "wall": time.perf_counter() - started, "pe
 
 
 def run_candidate(name: str, task: str, parity_prompts: int) -> dict[str, Any]:
-    fmt, changes = CANDIDATES[name]
+    fmt, steps = CANDIDATES[name]
     with tempfile.TemporaryDirectory(prefix="fp4prep-search-") as tmp:
         proc = subprocess.Popen(
-            [sys.executable, "-c", CHILD, fmt, json.dumps(changes), task, str(Path(tmp) / "out"), str(parity_prompts)],
+            [sys.executable, "-c", CHILD, fmt, json.dumps(steps), task, str(Path(tmp) / "out"), str(parity_prompts)],
             cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         )
         stdout, stderr = proc.communicate()

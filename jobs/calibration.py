@@ -9,7 +9,7 @@ from collections.abc import Iterator
 from typing import IO, Any
 
 from fp4prep.errors import InvalidInput
-from fp4prep.pipeline.conversations import validate
+from fp4prep.pipeline.inputs.conversations import validate
 from fp4prep.text import excerpt, format_bytes
 from registry.models import Project
 from registry.services import quota_exceeded, storage_left

@@ -18,10 +18,11 @@ from django.views.decorators.http import require_POST
 from django_htmx.http import HttpResponseClientRedirect, HttpResponseStopPolling
 
 from fp4prep.errors import NotFound, ServiceError
+from fp4prep.pipeline.validation import report as quality
 from fp4prep.web import paginate, project_page, upload, upload_page
 from registry.models import Model, Project
 
-from . import calibration, quality, services
+from . import calibration, services
 from .models import STAGE_MESSAGES, CalibrationFile, Job, get_file, get_job
 
 FILTERS = {

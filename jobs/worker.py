@@ -239,8 +239,8 @@ def _pipeline(job: Job, reporter: Reporter) -> Any:
             f"This worker has no BF16 weights for {base.family} ({base.weights_location}). "
             "An operator must install them under FP4PREP_WEIGHTS_ROOT; retrying on a worker that has them may help."
         )
-    recipe = dict(base.recipe)
-    thresholds = recipe.pop("thresholds", None)
+    run_settings = dict(base.run_settings)
+    thresholds = run_settings.pop("thresholds", None)
     work = lifecycle.work_dir(job.id)
     out = work / "output"
     shutil.rmtree(out, ignore_errors=True)  # a checkpoint moved here by a run that died registering it
@@ -269,7 +269,7 @@ def _pipeline(job: Job, reporter: Reporter) -> Any:
         progress=reporter.progress,
         should_cancel=reporter.should_cancel,
         notify=reporter.note,
-        **recipe,
+        **run_settings,
     )
     return run(config)
 

@@ -24,7 +24,8 @@ from pathlib import Path, PurePosixPath
 from typing import IO, Any
 
 from fp4prep.errors import InvalidInput, TooLarge
-from fp4prep.pipeline.adapter_files import (
+from fp4prep.pipeline.errors import UserError
+from fp4prep.pipeline.inputs.adapter_files import (
     CONFIG_NAME,
     WEIGHTS_NAME,
     Shape,
@@ -33,7 +34,6 @@ from fp4prep.pipeline.adapter_files import (
     lora_pairs,
     read_header,
 )
-from fp4prep.pipeline.errors import UserError
 from fp4prep.text import clip, excerpt
 
 ADAPTER_CONFIG = CONFIG_NAME
@@ -164,6 +164,7 @@ class _Adapter:
                 raise invalid(f"archive member {excerpt(str(name))} is larger than it declares")
         if name.name == ADAPTER_CONFIG:
             self.config = _read_config(out)
+            check_config(self.config, [])  # before the weights are checked against what it says
 
 
 def extract(archive: Path, target: Path, *, max_bytes: int, max_files: int, base_shapes: dict[str, Any] | None = None) -> Path:
@@ -269,8 +270,8 @@ def _check_adapter(directory: Path, base_shapes: dict[str, Any] | None) -> None:
         if weights.is_file():
             with weights.open("rb") as f:
                 _, shapes = read_header(f, weights.stat().st_size)
-            check_against_base(shapes, config, base_shapes)
             check_config(config, lora_pairs(shapes)[0])
+            check_against_base(shapes, config, base_shapes)
         else:
             check_config(config, [])  # adapter_model.bin: its tensors are read when the job merges it
     except UserError as exc:

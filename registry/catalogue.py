@@ -42,7 +42,7 @@ CATALOGUE: list[dict[str, Any]] = [
         "accepted_base_ids": ["zai-org/GLM-5.3-FP8", "zai-org/GLM-5.3-NVFP4"],
         "served_base_id": "zai-org/GLM-5.3-NVFP4",
         "quantization": "nvfp4",
-        "recipe": {"calibration_tokens": 1196032, "sequence_length": 4096},
+        "run_settings": {"calibration_tokens": 1196032, "sequence_length": 4096},
         "user_token_minimum": 598016,
         "typical_hours": Decimal("6"),
         "gpu_count": 8,
@@ -57,7 +57,7 @@ CATALOGUE: list[dict[str, Any]] = [
         "accepted_base_ids": ["moonshotai/Kimi-K3"],
         "served_base_id": "moonshotai/Kimi-K3",  # the release's own MXFP4
         "quantization": "mxfp4",
-        "recipe": {"calibration_tokens": 1196032, "sequence_length": 4096},
+        "run_settings": {"calibration_tokens": 1196032, "sequence_length": 4096},
         "user_token_minimum": 598016,
         "typical_hours": Decimal("18"),
         "gpu_count": 8,
@@ -80,7 +80,7 @@ CATALOGUE: list[dict[str, Any]] = [
         # separates them (orders, layer 12: KL 0.085; layer 24: top-1 0.961), the two together do:
         # top-1 at least 0.96 (5x the worst sound disagreement, 0.008) and KL at most 0.12 (1.75x
         # the worst sound KL). tests/pipeline/test_parity_gate.py checks both sides on the demo.
-        "recipe": {
+        "run_settings": {
             "calibration_tokens": 8192,
             "sequence_length": 512,
             "thresholds": {

@@ -15,7 +15,8 @@ from django.utils import timezone
 
 from fp4prep import ids
 from fp4prep.errors import NotFound
-from fp4prep.pipeline.recipes import RECIPES, Thresholds
+from fp4prep.pipeline.formats import choices as format_choices
+from fp4prep.pipeline.recipes import Thresholds
 
 CENT = Decimal("0.01")
 
@@ -141,7 +142,7 @@ class ApiKey(models.Model):
 
 
 # What a catalogue entry may fix for the pipeline (fields of fp4prep.pipeline.PipelineConfig).
-RECIPE_KEYS = {"calibration_tokens", "sequence_length", "holdout_fraction", "parity_prompts", "continuation_tokens", "seed", "thresholds"}
+RUN_SETTING_KEYS = {"calibration_tokens", "sequence_length", "holdout_fraction", "parity_prompts", "continuation_tokens", "seed", "thresholds"}
 THRESHOLD_KEYS = {f.name for f in fields(Thresholds)}
 
 
@@ -156,10 +157,11 @@ class SupportedBase(models.Model):
     family = models.CharField(max_length=100)
     accepted_base_ids = models.JSONField(help_text="Adapter base IDs this entry accepts")
     served_base_id = models.CharField(max_length=200, help_text="The FP4 base the prepared model is registered against")
-    # The catalogue's formats: the recipes' 4-bit ones (FP8 is for local runs).
-    quantization = models.CharField(max_length=10, choices=[(n, n.upper()) for n, r in RECIPES.items() if r.weight_bits < 5])
-    # Fixed merge and quantization parameters (PipelineConfig fields); users can't change them.
-    recipe = models.JSONField(default=dict, blank=True)
+    # The catalogue's formats: the 4-bit ones (FP8 is for local runs).
+    quantization = models.CharField(max_length=10, choices=[(n, n.upper()) for n in format_choices(bits=(4,))])
+    # Fixed run settings (PipelineConfig fields: corpus size, thresholds); users can't change them.
+    # The format's recipe itself is the pipeline's, the same for every base.
+    run_settings = models.JSONField(default=dict, blank=True)
     user_token_minimum = models.PositiveIntegerField()
     typical_hours = models.DecimalField(max_digits=8, decimal_places=3)
     gpu_count = models.PositiveIntegerField(help_text="0 for a CPU worker")
@@ -184,17 +186,17 @@ class SupportedBase(models.Model):
         return usd(self.typical_hours * max(self.gpu_count, 1) * self.price_per_gpu_hour)
 
     def clean(self) -> None:
-        """The recipe holds PipelineConfig numbers and optional thresholds; anything else can't run."""
+        """The run settings hold PipelineConfig numbers and optional thresholds; anything else can't run."""
         from django.core.exceptions import ValidationError
 
-        if not isinstance(self.recipe, dict):
-            raise ValidationError({"recipe": "must be a JSON object"})
-        unknown = set(self.recipe) - RECIPE_KEYS
+        if not isinstance(self.run_settings, dict):
+            raise ValidationError({"run_settings": "must be a JSON object"})
+        unknown = set(self.run_settings) - RUN_SETTING_KEYS
         if unknown:
-            raise ValidationError({"recipe": f"unknown keys {sorted(unknown)}; allowed: {sorted(RECIPE_KEYS)}"})
-        thresholds = self.recipe.get("thresholds")
+            raise ValidationError({"run_settings": f"unknown keys {sorted(unknown)}; allowed: {sorted(RUN_SETTING_KEYS)}"})
+        thresholds = self.run_settings.get("thresholds")
         if thresholds is not None and (not isinstance(thresholds, dict) or set(thresholds) != THRESHOLD_KEYS):
-            raise ValidationError({"recipe": f"thresholds must be an object with exactly the keys {sorted(THRESHOLD_KEYS)}"})
+            raise ValidationError({"run_settings": f"thresholds must be an object with exactly the keys {sorted(THRESHOLD_KEYS)}"})
         if not isinstance(self.accepted_base_ids, list) or not all(isinstance(i, str) and i for i in self.accepted_base_ids):
             raise ValidationError({"accepted_base_ids": "must be a list of base model IDs"})
 

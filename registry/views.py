@@ -12,6 +12,7 @@ from django.views.decorators.http import require_POST
 from django_htmx.http import HttpResponseClientRedirect
 
 from fp4prep.errors import NotFound, ServiceError
+from fp4prep.pipeline.validation import report as quality
 from fp4prep.web import SESSION_PROJECT, member_projects, paginate, project_page, upload, upload_page
 
 from . import artifacts, services, serving
@@ -111,7 +112,7 @@ def revision_detail(request: HttpRequest, project: Project, model_id: str, revis
             "model": model,
             "revision": revision,
             "commands": serving.commands(model, revision, api_root),
-            "report": revision.metadata.get("report") or {},
+            "figures": quality.figures(revision.metadata.get("report") or {}),
         },
     )
 

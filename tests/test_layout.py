@@ -7,6 +7,8 @@ import ast
 import re
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("fp4prep", "registry", "jobs")
 MAX_LINES = 400
@@ -133,3 +135,71 @@ def test_the_readme_layout_names_every_module() -> None:
         if path.name not in ("__init__.py", "apps.py", "__main__.py") and path.stem not in named
     ]
     assert missing == []
+
+
+MAX_FUNCTION_LINES = 60
+HEAVY = ("torch", "transformers", "modelopt", "accelerate", "peft", "safetensors")
+
+
+def test_no_pipeline_function_is_over_60_lines() -> None:
+    long = []
+    for path in sorted((ROOT / "fp4prep" / "pipeline").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                lines = (node.end_lineno or node.lineno) - node.lineno + 1
+                if lines > MAX_FUNCTION_LINES:
+                    long.append(f"{path.relative_to(ROOT)}: {node.name} is {lines} lines")
+    assert long == []
+
+
+def heavy_imports(module: str) -> set[str]:
+    """The heavy libraries ``module`` imports, itself or through this project's modules, at the
+    top level of a module (imports inside functions run only when those functions do)."""
+    known = modules()
+    found: set[str] = set()
+    seen, todo = set(), [module]
+    while todo:
+        name = todo.pop()
+        if name in seen:
+            continue
+        seen.add(name)
+        path = known[name]
+        is_package = path.name == "__init__.py"
+        for node in ast.parse(path.read_text()).body:
+            targets: list[str] = []
+            if isinstance(node, ast.Import):
+                targets = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    parts = name.split(".") if is_package else name.split(".")[:-1]
+                    base = ".".join(parts[: len(parts) - (node.level - 1)] + ([node.module] if node.module else []))
+                targets = [base, *(f"{base}.{alias.name}" for alias in node.names)]
+            for target in targets:
+                if target.split(".")[0] in HEAVY:
+                    found.add(target.split(".")[0])
+                elif target in known:
+                    # A package's __init__ runs before any of its modules.
+                    parts = target.split(".")
+                    todo += [p for p in (".".join(parts[:i]) for i in range(1, len(parts) + 1)) if p in known]
+    return found
+
+
+@pytest.mark.parametrize(
+    "module",
+    [
+        "fp4prep.pipeline.inputs.adapter_files",
+        "fp4prep.pipeline.inputs.conversations",
+        "fp4prep.pipeline.inputs.corpus",
+        "fp4prep.pipeline.inputs.general_text",
+        "fp4prep.pipeline.formats",
+        "fp4prep.pipeline.recipes",
+        "fp4prep.pipeline.validation.report",
+    ],
+)
+def test_what_the_web_process_reads_of_the_pipeline_imports_no_heavy_library(module: str) -> None:
+    assert heavy_imports(module) == set()
+
+
+def test_the_heavy_import_check_finds_a_heavy_import() -> None:
+    assert "torch" in heavy_imports("fp4prep.pipeline.stages")

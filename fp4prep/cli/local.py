@@ -14,7 +14,6 @@ from pathlib import Path
 from typing import Any
 
 from fp4prep.pipeline.recipes import RECIPES
-from fp4prep.text import format_bytes
 
 from . import exits
 
@@ -52,36 +51,18 @@ class StageBars:
 
 
 def summary(result: Any) -> str:
+    from fp4prep.pipeline.validation import report
+
+    data = result.to_dict()
+    corpus = result.corpus
     lines = [
         f"Wrote {result.quantization} checkpoint to {result.output_dir}",
-        f"  computed on    {result.device}"
-        + (f", resumed from layer {result.resumed_from_layer + 1}" if result.resumed_from_layer else ""),
-        f"  size           {format_bytes(result.output_bytes)} (BF16 merged: {format_bytes(result.bf16_bytes)}, "
-        f"{result.output_bytes / result.bf16_bytes:.2f}x)",
-        "  time per stage " + ", ".join(f"{k} {v:.1f}s" for k, v in result.stage_seconds.items()),
-        f"  calibration    {result.corpus.user_tokens:,} user + {result.corpus.general_tokens:,} general tokens, "
-        f"{result.corpus.held_out_conversations} conversations held back",
-        f"  parity vs BF16 on answers: top-1 {result.parity.answer_top1:.3f}, KL {result.parity.answer_kl:.4f} nats/token; "
-        f"on the BF16 model's continuations: top-1 {result.parity.continuation_top1:.3f}; "
-        f"identical greedy continuations {result.parity.identical_greedy:.2f} ({result.parity.prompts} prompts)",
-        f"                 over whole conversations: top-1 {result.parity.top1_agreement:.3f}, "
-        f"KL {result.parity.mean_kl:.4f} ({result.parity.tokens} tokens)",
-        f"  reload         independent reader matches the calibrated model "
-        f"(max logit difference {result.reload_max_logit_diff:.4f})",
+        *(f"  {line}" for line in report.headline(data)),
+        "",
+        *report.text(report.figures(data)),
+        f"  calibrated on {corpus.user_tokens:,} user + {corpus.general_tokens:,} general tokens, "
+        f"{corpus.held_out_conversations} conversations held back",
     ]
-    if result.retention is not None:
-        lines.append(
-            f"  adapter kept   {result.retention.pooled:.3f} of the adapter's change survived "
-            f"(per tensor: min {result.retention.minimum:.3f}, median {result.retention.median:.3f})"
-        )
-    if result.task is not None:
-        lines.append(
-            f"  adapter task   success BF16 merged {result.task.bf16_success:.0%}, "
-            f"{result.quantization} {result.task.quantized_success:.0%} ({result.task.prompts} prompts)"
-        )
-    if result.expert_tokens:
-        least = min(min(v) for v in result.expert_tokens.values())
-        lines.append(f"  MoE experts    every expert calibrated (fewest tokens for one expert: {least})")
     return "\n".join(lines)
 
 

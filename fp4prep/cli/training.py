@@ -64,7 +64,7 @@ def cmd_estimate(client: Client, args: argparse.Namespace) -> int:
     path = _local_file(args.calibration_file)
     file_id = None if path else args.calibration_file
     if path:  # checked here with the server's own rules; create uploads it
-        from fp4prep.pipeline.conversations import validate
+        from fp4prep.pipeline.inputs.conversations import validate
 
         check_size(client, path)
         with path.open("rb") as stream:

@@ -1,7 +1,8 @@
 """The FP4 preparation pipeline. No Django here: the service calls ``run`` from its workers.
 
-Names are imported on first use (PEP 562) so that light modules (``errors``, ``conversations``)
-can be used by the web process without importing torch, transformers or ModelOpt.
+Names are imported on first use (PEP 562) so that the light modules (``errors``, ``recipes``,
+``formats``, ``inputs``, ``validation.report``) can be used by the web process without importing
+torch, transformers or ModelOpt.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ if TYPE_CHECKING:
     from .errors import Cancelled, PipelineError, UserError
     from .progress import STAGES
     from .recipes import RECIPES, Thresholds
-    from .runner import run
+    from .stages import run
 
 _WHERE = {
     "CorpusStats": "config",
@@ -28,7 +29,7 @@ _WHERE = {
     "STAGES": "progress",
     "RECIPES": "recipes",
     "Thresholds": "recipes",
-    "run": "runner",
+    "run": "stages",
 }
 
 __all__ = [
@@ -51,7 +52,5 @@ def __getattr__(name: str) -> Any:
     if name not in _WHERE:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
     value = getattr(importlib.import_module(f".{_WHERE[name]}", __name__), name)
-    # Importing the submodule ``run`` binds the module to this name; the function must win, as it
-    # did with an eager ``from .runner import run``.
     globals()[name] = value
     return value

@@ -1,4 +1,5 @@
-"""fold_awq, our AWQ search, on one small decoder-shaped layer with ModelOpt's quantizers."""
+"""The AWQ search on one small decoder-shaped layer with ModelOpt's quantizers, and folding its
+scales away on a tiny model."""
 
 from __future__ import annotations
 
@@ -9,8 +10,21 @@ import pytest
 import torch
 from torch import nn
 
-from fp4prep.pipeline import awq, fakequant, fold
-from fp4prep.pipeline.recipes import RECIPES
+from fp4prep.pipeline.algorithms import awq, fold
+from fp4prep.pipeline.device import resolve
+from fp4prep.pipeline.formats import FORMATS
+from fp4prep.pipeline.modelopt_ext.quantizers import quant_config
+from fp4prep.pipeline.modelopt_ext.session import Session
+from fp4prep.pipeline.recipes import RECIPES, AwqSearch, Recipe
+
+CPU = resolve("cpu")
+
+
+@pytest.fixture(autouse=True)
+def session() -> Any:
+    """ModelOpt's quantizers here run on the CPU backend, registered for each test."""
+    with Session(CPU) as registered:
+        yield registered
 
 
 class Attention(nn.Module):
@@ -55,19 +69,26 @@ def activations(width: int = 64, outliers: bool = True) -> list[torch.Tensor]:
     return batches
 
 
-def quantize(layer: nn.Module, algorithm: dict[str, Any] | None, batches: list[torch.Tensor]) -> nn.Module:
+def quantize(layer: nn.Module, batches: list[torch.Tensor], alpha_step: float | None = None) -> nn.Module:
+    """``layer`` with the NVFP4 recipe's quantizers, max-calibrated on ``batches``; with
+    ``alpha_step``, its fold groups then given their searched scales (left as pre_quant_scales)."""
     import modelopt.torch.quantization as mtq
-
-    fakequant.register()
-    awq.register()
-    config = RECIPES["nvfp4"].quant_config(use_cpu_backend=True)
-    config["algorithm"] = algorithm or "max"
+    from modelopt.torch.quantization.model_calib import max_calibrate
 
     def forward_loop(model: nn.Module) -> None:
         for x in batches:
             model(x)
 
-    return mtq.quantize(layer, config, forward_loop)
+    with torch.no_grad():
+        model = mtq.quantize(layer, {**quant_config(RECIPES["nvfp4"], CPU), "algorithm": "max"}, None)
+        groups = awq.fold_groups(model) if alpha_step else []
+        handles = [m.register_forward_pre_hook(lambda _m, args, g=g: g.observe(args[0])) for g in groups for _, m in g.members[:1]]
+        max_calibrate(model, forward_loop)
+        for handle in handles:
+            handle.remove()
+        if alpha_step:
+            awq.search_and_apply(groups, alpha_step, scored_tokens=2048)
+    return model
 
 
 def output_error(quantized: nn.Module, reference: nn.Module, batches: list[torch.Tensor]) -> float:
@@ -83,8 +104,8 @@ def test_the_search_never_does_worse_than_max_calibration_and_helps_where_channe
     torch.manual_seed(0)
     reference = Layer()
     batches = activations(outliers=outliers)
-    searched = quantize(copy.deepcopy(reference), {"method": "fold_awq", "alpha_step": 0.25}, batches)
-    plain = quantize(copy.deepcopy(reference), None, batches)
+    searched = quantize(copy.deepcopy(reference), batches, alpha_step=0.25)
+    plain = quantize(copy.deepcopy(reference), batches)
     ratio = output_error(searched, reference, batches) / output_error(plain, reference, batches)
     assert ratio <= 1.0 + 1e-6
     if outliers:
@@ -93,7 +114,7 @@ def test_the_search_never_does_worse_than_max_calibration_and_helps_where_channe
 
 def test_a_fold_group_gets_one_scale_and_projections_without_a_fold_target_get_none() -> None:
     torch.manual_seed(0)
-    layer = quantize(Layer(), {"method": "fold_awq", "alpha_step": 0.25}, activations())
+    layer = quantize(Layer(), activations(), alpha_step=0.25)
     scales = {
         name: m.input_quantizer.pre_quant_scale
         for name, m in layer.named_modules()
@@ -117,37 +138,22 @@ def test_row_targets_pair_every_down_proj_with_its_own_up_proj() -> None:
     assert fold.row_target("self_attn.o_proj") is None
 
 
-def test_the_attention_output_scale_is_tied_across_the_query_heads_of_one_key_value_head(
-    make_base: Any,
-) -> None:
-    from transformers import AutoModelForCausalLM
-
-    layer = AutoModelForCausalLM.from_pretrained(make_base("llama")).model.layers[0]
-    tie = fold.head_tie(layer)
-    assert tie == (2, 2, 16)  # 2 key-value heads, each read by 2 query heads, of 16 values
-    scale = torch.rand(64) + 0.5
-    shared = fold.tied(scale, tie).reshape(tie)
-    assert torch.equal(shared[:, 0], shared[:, 1])
-    assert torch.allclose(shared[0, 0], (scale.reshape(tie)[0].log().mean(0)).exp())
-
-
-def test_folding_o_projs_tied_scale_into_v_proj_leaves_the_models_function_unchanged(make_base: Any) -> None:
-    import modelopt.torch.quantization as mtq
+def test_folding_the_searched_scales_leaves_the_models_function_unchanged(make_base: Any) -> None:
     from modelopt.torch.quantization.conversion import set_quantizer_by_cfg_context
     from transformers import AutoModelForCausalLM
 
+    from fp4prep.pipeline.calibrate import calibrate
+
     model = AutoModelForCausalLM.from_pretrained(make_base("llama"), dtype=torch.float32)
     reference = copy.deepcopy(model)
-    fakequant.register()
-    awq.register()
-    config = RECIPES["nvfp4"].quant_config(use_cpu_backend=True)
-    config["algorithm"] = {"method": "fold_awq", "fold_attention_output": True, "layerwise": {"enable": True}}
-    tokens = torch.randint(0, model.config.vocab_size, (4, 32), generator=torch.Generator().manual_seed(0))
-    mtq.quantize(model, config, lambda m: m(tokens))
-    factors = fold.fold_pre_quant_scales(model)
-    assert [n for n, f in factors.items() if n.endswith("self_attn.v_proj.weight") and "out_scale" in f], (
-        factors.keys()
-    )
+    recipe = Recipe(FORMATS["nvfp4"], RECIPES["nvfp4"].thresholds, steps=(AwqSearch(alpha_step=0.25),))
+    tokens = torch.randint(0, model.config.vocab_size, (8, 32), generator=torch.Generator().manual_seed(0))
+    with Session(CPU) as session:
+        calibrated = calibrate(model, recipe, tokens.tolist(), CPU, session, lambda f: None)
+    # Scales went into norms and up_proj's rows (down_proj's), and no pre_quant_scale is left.
+    assert [n for n, f in calibrated.factors.items() if n.endswith("mlp.up_proj.weight") and "out_scale" in f]
+    assert [n for n, f in calibrated.factors.items() if n.endswith("self_attn.q_proj.weight") and "in_scale" in f]
+    assert not [n for n, b in model.named_buffers() if "pre_quant_scale" in n]
     # Folding moves scales between weights and norms: with the quantizers off, the model it leaves is
     # the unquantized one, to float32 rounding (quantized, the moved scales round differently).
     with torch.no_grad(), set_quantizer_by_cfg_context(model, [{"quantizer_name": "*", "enable": False}]):

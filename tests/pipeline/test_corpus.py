@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 from transformers import AutoTokenizer
 
-from fp4prep.pipeline import UserError, conversations, corpus, general_text
+from fp4prep.pipeline import UserError
+from fp4prep.pipeline.inputs import conversations, corpus, general_text
 from tests.tiny import write_conversations
 
 from .helpers import run_tiny
@@ -140,7 +141,7 @@ def test_half_the_corpus_is_the_users_and_held_back_conversations_are_never_cali
         json.loads(path.read_text().splitlines()[n - 1])["messages"][0]["content"]
         for n in first.held_out_lines
     }
-    calibrated = tokenizer.decode([t for s in first.sequences for t in s.tolist()])
+    calibrated = tokenizer.decode([t for s in first.sequences for t in s])
     assert not any(q in calibrated for q in held_questions)
 
 

@@ -67,3 +67,12 @@ def test_the_gpu_holds_one_layer_at_a_time(tmp_path: Path, tokenizer_dir: Path) 
     whole = layers * layer
     peak = torch.cuda.max_memory_allocated()
     assert peak < whole / 2, (peak, whole)
+
+
+def test_two_gpu_runs_in_one_process_write_the_same_bytes(llama_base: Path, tmp_path: Path, calibration_file: Path) -> None:
+    # The first run measures its calibrated model in the checkpoint's numerics (ModelOpt's static-
+    # scale kernel swapped for ours); the swap ends with it, so the second calibrates with ModelOpt's.
+    first = run_tiny(llama_base, tmp_path / "first", calibration_file=calibration_file, device="cuda")
+    second = run_tiny(llama_base, tmp_path / "second", calibration_file=calibration_file, device="cuda")
+    assert checkpoint_bytes(tmp_path / "first") == checkpoint_bytes(tmp_path / "second")
+    assert first.parity == second.parity

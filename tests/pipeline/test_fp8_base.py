@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from fp4prep.pipeline.checkpoint import TensorSource, dequantize_fp8_blocks
+from fp4prep.pipeline.model.safetensors import TensorSource, dequantize_fp8_blocks
 from tests.tiny import save_adapter
 
 from .helpers import run_tiny

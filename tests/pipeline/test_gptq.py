@@ -8,7 +8,8 @@ import torch
 from modelopt.torch.quantization.utils.calib_utils import compute_hessian_inverse, gptq_blockwise_update
 from torch import nn
 
-from fp4prep.pipeline import fakequant, gptq
+from fp4prep.pipeline.algorithms import gptq
+from fp4prep.pipeline.formats import numerics
 
 
 def problem(rows: int = 576, columns: int = 256) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -20,17 +21,17 @@ def problem(rows: int = 576, columns: int = 256) -> tuple[torch.Tensor, torch.Te
     x[:, :4] *= 20
     h_inv = compute_hessian_inverse(x.T @ x / len(x), weight, 0.01)
     amax = weight.abs().reshape(rows, columns // 16, 16).amax(-1)
-    return weight, h_inv, fakequant.static_nvfp4_scales(amax, amax.amax())
+    return weight, h_inv, numerics.static_nvfp4_scales(amax, amax.amax())
 
 
 def round_to_nearest(weight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     rows, columns = weight.shape
-    return fakequant.quantize_to_scales(weight.reshape(rows, columns // 16, 16), scales[..., None]).reshape(rows, columns)
+    return numerics.quantize_to_scales(weight.reshape(rows, columns // 16, 16), scales[..., None]).reshape(rows, columns)
 
 
-@pytest.mark.parametrize("fused", [True, False], ids=["compiled", "eager"])
-def test_the_update_rounds_as_modelopts_reference_does(fused: bool, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(fakequant, "_fusing", [fused])
+@pytest.mark.parametrize("compile", [True, False], ids=["compiled", "eager"])
+def test_the_update_rounds_as_modelopts_reference_does(compile: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("FP4PREP_COMPILE", "1" if compile else "0")
     weight, h_inv, scales = problem()
     reference = weight.clone()
     # ModelOpt's own column-by-column algorithm, quantizing the whole matrix for every column.
@@ -69,18 +70,21 @@ class Attention(nn.Module):
 def test_projections_that_read_one_input_share_one_hessian() -> None:
     import modelopt.torch.quantization as mtq
 
+    from fp4prep.pipeline.device import resolve
+    from fp4prep.pipeline.modelopt_ext.quantizers import quant_config
+    from fp4prep.pipeline.modelopt_ext.session import Session
     from fp4prep.pipeline.recipes import RECIPES
 
-    fakequant.register()
     torch.manual_seed(0)
-    config = {**RECIPES["nvfp4"].quant_config(use_cpu_backend=True), "algorithm": "max"}
-    layer = mtq.quantize(Attention(), config, None)
+    cpu = resolve("cpu")
     batches = [torch.randn(2, 8, 32) for _ in range(3)]
-    hessians = gptq.Hessians(layer)
-    with torch.no_grad():
+    with Session(cpu), torch.no_grad():
+        config = {**quant_config(RECIPES["nvfp4"], cpu), "algorithm": "max"}
+        layer = mtq.quantize(Attention(), config, None)
+        hessians = gptq.Hessians(layer)
         for x in batches:
             layer(x)
-    hessians.remove()
+        hessians.remove()
     assert sorted(hessians.inputs) == ["o_proj", "q_proj"]
     assert hessians.inputs["q_proj"].names == ["q_proj", "k_proj"]
     flat = torch.cat([x.reshape(-1, 32) for x in batches])

@@ -11,8 +11,9 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from fp4prep.pipeline import UserError, merge
-from fp4prep.pipeline.checkpoint import TensorSource
+from fp4prep.pipeline import UserError
+from fp4prep.pipeline.model import merge
+from fp4prep.pipeline.model.safetensors import TensorSource
 from tests.tiny import save_adapter, save_tiny_base
 
 TARGETS = ["q_proj", "v_proj", "down_proj"]
@@ -106,7 +107,7 @@ def test_it_refuses_an_adapter_whose_shapes_do_not_match(llama_base: Path, tmp_p
     key = "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight"
     tensors[key] = torch.randn(tensors[key].shape[0], 96)
     save_file(tensors, str(adapter / "adapter_model.safetensors"))
-    with pytest.raises(UserError, match=r"model.layers.0.self_attn.q_proj makes a 64x96 change.*64x64"):
+    with pytest.raises(UserError, match=r"model.layers.0.self_attn.q_proj: it makes a 64x96 change.*64x64"):
         merged_state(llama_base, adapter)
 
 
@@ -169,10 +170,56 @@ def test_a_rank_pattern_that_is_not_a_regular_expression_is_a_user_error(llama_b
 
 
 def test_a_pattern_that_would_take_too_long_stops_at_its_timeout_as_a_user_error() -> None:
-    from fp4prep.pipeline.adapter_files import check_config
+    from fp4prep.pipeline.inputs.adapter_files import check_config
 
     # Exponential in the regex engine too once the name is long: the timeout ends it.
     config = {"peft_type": "LORA", "alpha_pattern": {r"(?:a|a)*(?:a|a)*\.q": 2}}
     names = ["model.layers.0." + "a" * 200 + ".q_proj"]
     with pytest.raises(UserError, match="alpha_pattern key .* takes too long to match module names"):
         check_config(config, names)
+
+
+def test_a_rank_pattern_gives_a_module_the_rank_its_matrices_have(llama_base: Path, tmp_path: Path) -> None:
+    adapter = save_adapter(llama_base, tmp_path / "adapter", targets=TARGETS, r=4)
+    tensors = load_file(str(adapter / "adapter_model.safetensors"))
+    for kind, dim in (("lora_A", 0), ("lora_B", 1)):  # v_proj's pair cut to rank 2, as PEFT saves it
+        key = f"base_model.model.model.layers.0.self_attn.v_proj.{kind}.weight"
+        tensors[key] = tensors[key].narrow(dim, 0, 2).contiguous()
+    save_file(tensors, str(adapter / "adapter_model.safetensors"))
+    config = json.loads((adapter / "adapter_config.json").read_text())
+    config["rank_pattern"] = {"layers.0.self_attn.v_proj": 2}
+    (adapter / "adapter_config.json").write_text(json.dumps(config))
+    plan, _ = merge.plan(merge.load_adapter(adapter), {k: tuple(v.shape) for k, v in TensorSource(llama_base).items()})
+    scaling = {u.target: u.scaling for u in plan}
+    assert scaling["model.layers.0.self_attn.v_proj.weight"] == 8 / 2
+    assert scaling["model.layers.1.self_attn.v_proj.weight"] == 8 / 4
+
+
+@pytest.mark.parametrize(
+    ("cut", "message"),
+    [
+        # The config says r=4 for every module; one pair's matrices are rank 2: PEFT can't load it either.
+        (("lora_A", "lora_B"), r"v_proj: its LoRA matrices have rank 2, but adapter_config.json gives it r=4"),
+        # A and B disagree with each other.
+        (("lora_A",), r"v_proj: its LoRA matrices \(2, 64\) and \(32, 4\) have different ranks"),
+    ],
+    ids=["config-rank", "pair-ranks"],
+)
+def test_an_adapter_whose_ranks_disagree_is_refused_at_upload_and_at_merge(
+    llama_base: Path, tmp_path: Path, cut: tuple[str, ...], message: str
+) -> None:
+    from fp4prep.pipeline.inputs.adapter_files import base_weight_shapes, check_against_base
+
+    adapter = save_adapter(llama_base, tmp_path / "adapter", targets=TARGETS, r=4)
+    tensors = load_file(str(adapter / "adapter_model.safetensors"))
+    for kind in cut:
+        key = f"base_model.model.model.layers.0.self_attn.v_proj.{kind}.weight"
+        tensors[key] = tensors[key].narrow(0 if kind == "lora_A" else 1, 0, 2).contiguous()
+    save_file(tensors, str(adapter / "adapter_model.safetensors"))
+    config = json.loads((adapter / "adapter_config.json").read_text())
+    shapes = {k: tuple(v.shape) for k, v in tensors.items()}
+    # The upload's check (with the catalogue's table of the base's shapes) and the merge say the same.
+    with pytest.raises(UserError, match=message):
+        check_against_base(shapes, config, base_weight_shapes(llama_base))
+    with pytest.raises(UserError, match=message):
+        merged_state(llama_base, adapter)

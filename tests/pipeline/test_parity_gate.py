@@ -1,9 +1,11 @@
-"""The SmolLM2 catalogue thresholds on the demo: a sound NVFP4 checkpoint passes them, and one that
-lost the adapter, or has one corrupted layer, fails them on parity alone."""
+"""The SmolLM2 catalogue thresholds on the demo: a sound NVFP4 checkpoint (the demo job's, shared
+with the main command's test) passes them, and one that lost the adapter, or has one corrupted
+layer, fails them on parity alone."""
 
 from __future__ import annotations
 
 import dataclasses
+import json
 import shutil
 from pathlib import Path
 from typing import Any
@@ -13,12 +15,14 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from fp4prep import demo
-from fp4prep.pipeline import RECIPES, PipelineConfig, PipelineResult, Thresholds, run, validate
-from fp4prep.pipeline.runner import parity_of
+from fp4prep.pipeline import RECIPES, ParityReport, PipelineConfig, Thresholds, run
+from fp4prep.pipeline.stages import parity_of
+from fp4prep.pipeline.validation import gate
 from registry.catalogue import CATALOGUE
+from tests.conftest import DemoJob
 
 SMOLLM2 = next(e for e in CATALOGUE if e["slug"] == "smollm2-135m-instruct")
-THRESHOLDS = Thresholds(**SMOLLM2["recipe"]["thresholds"])
+THRESHOLDS = Thresholds(**SMOLLM2["run_settings"]["thresholds"])
 
 
 @pytest.fixture(scope="module")
@@ -27,11 +31,11 @@ def assets() -> demo.DemoAssets:
 
 
 @pytest.fixture(scope="module")
-def prepared(assets: demo.DemoAssets, tmp_path_factory: pytest.TempPathFactory) -> PipelineResult:
-    """The demo adapter on the demo base, NVFP4, through the whole pipeline with its quality gate."""
-    out = tmp_path_factory.mktemp("prepared") / "nvfp4"
-    return run(PipelineConfig(base_dir=assets.base_dir, output_dir=out, adapter_dir=assets.adapter_dir,
-                              calibration_file=assets.calibration_file, thresholds=THRESHOLDS, device="cpu"))
+def prepared(demo_job: DemoJob) -> Path:
+    """The demo adapter on the demo base, NVFP4, as the demo's job made it: through the whole
+    pipeline, held to the SmolLM2 catalogue thresholds by its quality gate."""
+    assert demo_job.returncode == 0, demo_job.stderr[-3000:]
+    return demo_job.checkpoint
 
 
 def parity_against_the_merged_model(assets: demo.DemoAssets, checkpoint: Path) -> Any:
@@ -44,13 +48,16 @@ def parity_against_the_merged_model(assets: demo.DemoAssets, checkpoint: Path) -
 
 def parity_misses(report: Any) -> list[str]:
     # Parity alone: the reload and retention checks are not asked.
-    return validate.misses(THRESHOLDS, report, reload_diff=0.0, kept=None)
+    return gate.misses(THRESHOLDS, report, reload_diff=0.0, kept=None)
 
 
-def test_a_sound_checkpoint_clears_the_catalogue_thresholds(prepared: PipelineResult) -> None:
-    # The run's own validation measured it against the BF16 merged model, as the others are below.
-    assert prepared.parity.continuation_tokens > 0 and prepared.parity.answer_tokens > 0
-    assert parity_misses(prepared.parity) == [], prepared.parity
+def test_a_sound_checkpoint_clears_the_catalogue_thresholds(prepared: Path) -> None:
+    # The job's own validation measured it against the BF16 merged model, as the others are below.
+    lineage = json.loads((prepared / "fp4prep.json").read_text())
+    parity = ParityReport(**lineage["metrics"]["parity"])
+    assert parity.continuation_tokens > 0 and parity.answer_tokens > 0
+    assert parity_misses(parity) == [], parity
+    assert lineage["quality_gate"] == {"enforced": True, "misses": []}
 
 
 def test_a_checkpoint_that_lost_the_adapter_fails_on_parity(assets: demo.DemoAssets, tmp_path: Path) -> None:
@@ -60,8 +67,7 @@ def test_a_checkpoint_that_lost_the_adapter_fails_on_parity(assets: demo.DemoAss
     out = tmp_path / "base-only"
     # ModelOpt's max calibration rather than the recipe's AWQ search and GPTQ, which would only cost
     # time here.
-    max_calibrated = dataclasses.replace(RECIPES["nvfp4"], algorithm=None, mutates_weights=False,
-                                         folds_pre_quant_scale=False, static_weight_scales=False)
+    max_calibrated = dataclasses.replace(RECIPES["nvfp4"], steps=())
     run(PipelineConfig(base_dir=assets.base_dir, output_dir=out, calibration_file=assets.calibration_file,
                        calibration_tokens=2048, parity_prompts=4, quality_gate=False, device="cpu",
                        recipe=max_calibrated))
@@ -70,10 +76,10 @@ def test_a_checkpoint_that_lost_the_adapter_fails_on_parity(assets: demo.DemoAss
 
 
 def test_a_checkpoint_with_one_corrupted_layer_fails_on_parity(
-    assets: demo.DemoAssets, prepared: PipelineResult, tmp_path: Path
+    assets: demo.DemoAssets, prepared: Path, tmp_path: Path
 ) -> None:
     broken = tmp_path / "broken"
-    shutil.copytree(prepared.output_dir, broken)
+    shutil.copytree(prepared, broken)
     shard = broken / "model.safetensors"
     tensors = load_file(str(shard))
     # One layer's MLP output projection scrambled: its FP4 codes reversed along the rows.

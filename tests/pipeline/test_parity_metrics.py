@@ -9,8 +9,8 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM
 
-from fp4prep.pipeline.corpus import ParityExample
-from fp4prep.pipeline.parity import token_parity
+from fp4prep.pipeline.inputs.corpus import ParityExample
+from fp4prep.pipeline.validation.parity import token_parity
 
 
 def examples(vocab: int) -> list[ParityExample]:

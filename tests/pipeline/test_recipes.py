@@ -1,9 +1,8 @@
-"""Recipes beyond max calibration, on tiny models: AWQ folded away, static weight scales, GPTQ, and
+"""Recipes beyond max calibration, on tiny models: AWQ folded away, GPTQ, a recipe checked when built, and
 the reload check that catches a calibrated model the engine would not reproduce."""
 
 from __future__ import annotations
 
-import dataclasses
 import json
 from pathlib import Path
 from typing import Any
@@ -13,24 +12,19 @@ import torch
 from safetensors.torch import load_file
 
 from fp4prep.pipeline import PipelineError
-from fp4prep.pipeline.recipes import RECIPES, Recipe
+from fp4prep.pipeline.formats import FORMATS
+from fp4prep.pipeline.recipes import RECIPES, AwqSearch, Gptq, Recipe
 from tests.tiny import save_adapter
 
 from .helpers import run_tiny
 
-AWQ = {"algorithm": {"method": "fold_awq", "alpha_step": 0.25}, "mutates_weights": True, "folds_pre_quant_scale": True}
-# ModelOpt's own AWQ: a scale per projection, so folding averages the norm groups' and undoes o_proj's.
-AWQ_LITE = {**AWQ, "algorithm": {"method": "awq_lite", "alpha_step": 0.5}}
-# o_proj's scale too, tied across query heads and folded into v_proj's rows.
-AWQ_HEADS = {**AWQ, "algorithm": {**AWQ["algorithm"], "fold_attention_output": True}}
-# AWQ, then GPTQ on the folded weights against static weight scales.
-AWQ_GPTQ = {**AWQ, "algorithm": {**AWQ["algorithm"], "gptq": True}, "static_weight_scales": True}
-# The config's own calibration (max, or the MSE sweep its name says), no AWQ.
-OWN = {"algorithm": None, "mutates_weights": False, "folds_pre_quant_scale": False}
+AWQ = (AwqSearch(alpha_step=0.25),)
+# AWQ, then GPTQ on the folded weights (against static weight scales for NVFP4).
+AWQ_GPTQ = (AwqSearch(alpha_step=0.25), Gptq(hessian_stride=1))
 
 
-def variant(fmt: str, **changes: Any) -> Recipe:
-    return dataclasses.replace(RECIPES[fmt], **changes)
+def variant(fmt: str, steps: tuple[Any, ...]) -> Recipe:
+    return Recipe(FORMATS[fmt], RECIPES[fmt].thresholds, steps=steps)
 
 
 def stored(directory: Path) -> dict[str, torch.Tensor]:
@@ -41,28 +35,25 @@ def stored(directory: Path) -> dict[str, torch.Tensor]:
 
 
 @pytest.mark.parametrize(
-    ("arch", "fmt", "awq"),
+    ("arch", "fmt", "steps"),
     [
         ("llama", "nvfp4", AWQ),
         ("glm4_moe", "nvfp4", AWQ),
         ("llama", "mxfp4", AWQ),
-        ("llama", "nvfp4", AWQ_LITE),
-        ("llama", "nvfp4", AWQ_HEADS),
         ("llama", "nvfp4", AWQ_GPTQ),
         ("glm4_moe", "nvfp4", AWQ_GPTQ),
-        ("llama", "mxfp4", {**AWQ_GPTQ, "static_weight_scales": False}),  # MXFP4's scales are the blocks' own
+        ("llama", "mxfp4", AWQ_GPTQ),  # MXFP4's scales are the blocks' own
     ],
-    ids=["llama-nvfp4", "glm4_moe-nvfp4", "llama-mxfp4", "llama-nvfp4-awq_lite", "llama-nvfp4-o_proj",
-         "llama-nvfp4-gptq", "glm4_moe-nvfp4-gptq", "llama-mxfp4-gptq"],
+    ids=["llama-nvfp4", "glm4_moe-nvfp4", "llama-mxfp4", "llama-nvfp4-gptq", "glm4_moe-nvfp4-gptq", "llama-mxfp4-gptq"],
 )
 def test_awq_scales_are_folded_away_and_the_checkpoint_is_the_plain_format(
-    make_base: Any, tmp_path: Path, calibration_file: Path, arch: str, fmt: str, awq: dict[str, Any]
+    make_base: Any, tmp_path: Path, calibration_file: Path, arch: str, fmt: str, steps: tuple[Any, ...]
 ) -> None:
     base = make_base(arch)
     targets = ["q_proj", "v_proj", "o_proj"] + (["gate_proj", "up_proj", "down_proj"] if arch == "llama" else [])
     adapter = save_adapter(base, tmp_path / "adapter", targets=targets, b_scale=0.05)
     out = tmp_path / "out"
-    result = run_tiny(base, out, fmt, adapter_dir=adapter, calibration_file=calibration_file, recipe=variant(fmt, **awq))
+    result = run_tiny(base, out, fmt, adapter_dir=adapter, calibration_file=calibration_file, recipe=variant(fmt, steps))
     # The checkpoint declares the format engines load, carries no pre_quant_scale, and the
     # independent reader reproduces the calibrated (smoothed, folded) model exactly.
     config = json.loads((out / "config.json").read_text())["quantization_config"]
@@ -79,9 +70,9 @@ def test_awq_scales_are_folded_away_and_the_checkpoint_is_the_plain_format(
     assert result.retention is not None and result.retention.pooled > 0.9, result.retention
 
 
-@pytest.mark.parametrize("recipe", [AWQ, AWQ_GPTQ], ids=["fold_awq", "fold_awq-gptq"])
+@pytest.mark.parametrize("steps", [AWQ, AWQ_GPTQ], ids=["awq", "awq-gptq"])
 def test_an_awq_run_stopped_midway_resumes_to_the_same_bytes(
-    tmp_path: Path, tokenizer_dir: Path, calibration_file: Path, recipe: dict[str, Any]
+    tmp_path: Path, tokenizer_dir: Path, calibration_file: Path, steps: tuple[Any, ...]
 ) -> None:
     from transformers import AutoModelForCausalLM
 
@@ -98,7 +89,7 @@ def test_an_awq_run_stopped_midway_resumes_to_the_same_bytes(
     for f in tokenizer_dir.iterdir():
         (base / f.name).write_bytes(f.read_bytes())
     adapter = save_adapter(base, tmp_path / "adapter", targets=["q_proj", "down_proj"], b_scale=0.05)
-    common = {"adapter_dir": adapter, "calibration_file": calibration_file, "recipe": variant("nvfp4", **recipe)}
+    common = {"adapter_dir": adapter, "calibration_file": calibration_file, "recipe": variant("nvfp4", steps)}
     straight = run_tiny(base, tmp_path / "straight", **common)
     work = tmp_path / "work"
     progress, should_cancel = cancel_at("calibrating", 0.6)
@@ -112,54 +103,34 @@ def test_an_awq_run_stopped_midway_resumes_to_the_same_bytes(
     assert resumed.retention == straight.retention
 
 
-@pytest.mark.parametrize(
-    "changes",
-    [
-        {**OWN, "modelopt_config": "NVFP4_W4A4_WEIGHT_MSE_FP8_SWEEP_CFG"},
-        {**OWN, "modelopt_config": "NVFP4_FOUR_OVER_SIX_CFG"},
-        {**OWN, "modelopt_config": "NVFP4_W4A4_WEIGHT_MSE_FP8_SWEEP_CFG", "algorithm": {"method": "gptq"}, "mutates_weights": True},
-    ],
-    ids=["mse", "four-over-six", "gptq"],
-)
-def test_static_weight_scales_run_on_the_cpu_and_reload_exactly(
-    llama_base: Path, tmp_path: Path, calibration_file: Path, changes: dict[str, Any]
+def test_a_calibrated_model_the_engine_would_not_reproduce_fails_the_reload_check(
+    llama_base: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    # ModelOpt computes these with Triton kernels; here the CPU backend's torch versions run, and
-    # the checkpoint ModelOpt exports from them must hold exactly what they computed.
-    result = run_tiny(llama_base, tmp_path / "out", calibration_file=calibration_file, recipe=variant("nvfp4", **changes))
-    assert result.reload_max_logit_diff == 0.0
+    from fp4prep.pipeline.modelopt_ext import quantizers
 
+    config_of = quantizers.quant_config
 
-@dataclasses.dataclass(frozen=True)
-class ActivationBlocksOf32(Recipe):
-    """NVFP4 with activations calibrated in blocks of 32: engines quantize them in blocks of 16."""
-
-    def quant_config(self, use_cpu_backend: bool) -> dict[str, Any]:
-        config = super().quant_config(use_cpu_backend)
+    def activation_blocks_of_32(*args: Any, **kwargs: Any) -> dict[str, Any]:
+        # NVFP4 with activations calibrated in blocks of 32: engines quantize them in blocks of 16.
+        config = config_of(*args, **kwargs)
         for entry in config["quant_cfg"]:
             if entry.get("quantizer_name") == "*input_quantizer" and isinstance(entry.get("cfg"), dict):
                 entry["cfg"]["block_sizes"] = {**entry["cfg"]["block_sizes"], -1: 32}
         return config
 
-
-def test_a_calibrated_model_the_engine_would_not_reproduce_fails_the_reload_check(llama_base: Path, tmp_path: Path) -> None:
-    nvfp4 = RECIPES["nvfp4"]
-    mismatched = ActivationBlocksOf32(**{f.name: getattr(nvfp4, f.name) for f in dataclasses.fields(nvfp4)})
+    monkeypatch.setattr(quantizers, "quant_config", activation_blocks_of_32)
     with pytest.raises(PipelineError, match="the reloaded checkpoint's logits differ from the calibrated model's"):
-        run_tiny(llama_base, tmp_path / "out", recipe=mismatched)
+        run_tiny(llama_base, tmp_path / "out")
     assert not (tmp_path / "out").exists()
 
 
-@pytest.mark.parametrize("static", [False, True], ids=["dynamic", "static"])
 def test_max_calibrated_awq_checkpoints_have_block_scales_that_fit_their_weights(
-    llama_base: Path, tmp_path: Path, calibration_file: Path, static: bool
+    llama_base: Path, tmp_path: Path, calibration_file: Path
 ) -> None:
     # Without GPTQ, each block's scale is its largest weight's over 6 (rounded to FP8): that weight's
-    # FP4 code is 6 (nibble 7) in every block. Scales fixed before AWQ rescaled the weights would
-    # leave blocks that never reach it, or clip them.
+    # FP4 code is 6 (nibble 7) in every block, folded weights included.
     out = tmp_path / "out"
-    result = run_tiny(llama_base, out, calibration_file=calibration_file,
-                      recipe=variant("nvfp4", **AWQ, static_weight_scales=static))
+    result = run_tiny(llama_base, out, calibration_file=calibration_file, recipe=variant("nvfp4", AWQ))
     assert result.reload_max_logit_diff == 0.0
     tensors = stored(out)
     packed = [k for k in tensors if k.endswith(".weight") and tensors[k].dtype == torch.uint8]
@@ -176,3 +147,28 @@ def test_max_calibrated_awq_checkpoints_have_block_scales_that_fit_their_weights
         key = (prefix, float(tensors[name + "_scale_2"]))
         groups[key] = max(groups.get(key, 0.0), float(tensors[name + "_scale"].float().max()))
     assert set(groups.values()) == {448.0}, groups
+
+
+@pytest.mark.parametrize(
+    ("fmt", "steps", "message"),
+    [
+        ("fp8", (Gptq(),), "fp8 is max-calibrated: its recipe takes no steps"),
+        ("nvfp4", (Gptq(), AwqSearch()), "runs AwqSearch, then Gptq, each at most once"),
+        ("nvfp4", (Gptq(), Gptq()), "runs AwqSearch, then Gptq, each at most once"),
+        ("nvfp4", (AwqSearch(alpha_step=0),), r"alpha_step must be in \(0, 1\]"),
+        ("mxfp4", (Gptq(hessian_stride=0),), "hessian_stride must be at least 1"),
+        ("nvfp4", ("gptq",), "a recipe's steps are AwqSearch and Gptq"),
+    ],
+)
+def test_a_recipe_that_cannot_run_is_refused_when_it_is_built(fmt: str, steps: tuple[Any, ...], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        variant(fmt, steps)
+
+
+def test_the_shipped_recipes_say_what_they_run() -> None:
+    assert RECIPES["nvfp4"].static_weight_scales and RECIPES["nvfp4"].mutates_weights
+    assert not RECIPES["mxfp4"].static_weight_scales and RECIPES["mxfp4"].gptq is not None and RECIPES["mxfp4"].awq is None
+    assert not RECIPES["fp8"].mutates_weights
+    assert RECIPES["nvfp4"].calibration == (
+        "AWQ search (alpha step 0.5), scales folded into the preceding norms and projections, then GPTQ against static weight scales"
+    )

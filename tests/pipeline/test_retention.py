@@ -9,7 +9,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from fp4prep.pipeline import PipelineError, fakequant
+from fp4prep.pipeline import PipelineError
+from fp4prep.pipeline.formats import numerics
 from tests.tiny import save_adapter
 
 from .helpers import run_tiny
@@ -23,7 +24,7 @@ def snap_to_nvfp4(base: Path) -> None:
     weights = load_file(str(path))
     for name, w in weights.items():
         if name.endswith("_proj.weight"):
-            weights[name] = fakequant.nvfp4_fake_quant(w, 16, w.abs().amax())
+            weights[name] = numerics.nvfp4_fake_quant(w, 16, w.abs().amax())
     save_file(weights, str(path), metadata={"format": "pt"})
 
 
@@ -45,8 +46,8 @@ def test_merging_into_weights_already_in_fp4_is_caught(llama_base: Path, tmp_pat
 
 def test_the_adapters_change_is_mostly_below_half_an_fp4_step(llama_base: Path, tmp_path: Path) -> None:
     """The premise of merging first, measured on this adapter: most changes can't move a code."""
-    from fp4prep.pipeline import merge
-    from fp4prep.pipeline.checkpoint import TensorSource
+    from fp4prep.pipeline.model import merge
+    from fp4prep.pipeline.model.safetensors import TensorSource
 
     adapter = save_adapter(llama_base, tmp_path / "adapter", targets=TARGETS, b_scale=0.002)
     source = TensorSource(llama_base)
@@ -54,7 +55,7 @@ def test_the_adapters_change_is_mostly_below_half_an_fp4_step(llama_base: Path, 
     below = total = 0
     for update in updates:
         w = source.get(update.target, torch.float32)
-        scales, scale_2 = fakequant.nvfp4_scales(w, 16, w.abs().amax())
+        scales, scale_2 = numerics.nvfp4_scales(w, 16, w.abs().amax())
         half_step = (scales * scale_2).repeat_interleave(16, -1) * 0.25  # E2M1's finest step is 0.5
         below += int((update.delta().abs() < half_step).sum())
         total += w.numel()

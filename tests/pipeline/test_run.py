@@ -85,7 +85,7 @@ def test_it_prepares_a_checkpoint_engines_load_as_is(
     # How it was calibrated is on record and in the model card: NVFP4 by AWQ then GPTQ, MXFP4 by
     # GPTQ, FP8 by max.
     expected = {
-        "nvfp4": "fold_awq (alpha step 0.5), scales folded into the preceding norms and projections, "
+        "nvfp4": "AWQ search (alpha step 0.5), scales folded into the preceding norms and projections, "
                  "then GPTQ against static weight scales",
         "mxfp4": "max, then GPTQ against each block's own scale",
     }

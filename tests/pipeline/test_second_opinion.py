@@ -14,7 +14,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from fp4prep.pipeline import device, export, parity, reader
+from fp4prep.pipeline import device
+from fp4prep.pipeline.export import compressed_tensors
+from fp4prep.pipeline.validation import parity, reader
 
 from .helpers import run_tiny
 
@@ -42,7 +44,7 @@ def test_compressed_tensors_reads_our_checkpoint_as_our_reader_does(
     if quantization == "nvfp4":
         target = tmp_path / "as-compressed-tensors"
         shutil.copytree(out, target)
-        export.to_compressed_tensors(target, target)
+        compressed_tensors.to_compressed_tensors(target, target)
         assert not (target / "hf_quant_config.json").exists()
     theirs = compressed_tensors_model(target)
     weights = reader.DequantizedWeights(out, torch.bfloat16)
@@ -65,7 +67,7 @@ def test_the_conversion_to_compressed_tensors_copies_bytes_and_inverts_globals(
     out = tmp_path / "out"
     run_tiny(llama_base, out, "nvfp4")
     converted = tmp_path / "ct"
-    export.to_compressed_tensors(out, converted)
+    compressed_tensors.to_compressed_tensors(out, converted)
     ours, theirs = tensors(out), tensors(converted)
     modules = {k.removesuffix(".weight_scale") for k in ours if k.endswith(".weight_scale")}
     assert len(modules) == 14

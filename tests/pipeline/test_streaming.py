@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from fp4prep.pipeline import Cancelled, PipelineError, device
-from fp4prep.pipeline.checkpoint import TensorSource
+from fp4prep.pipeline.model.safetensors import TensorSource
 from tests.tiny import save_adapter, tiny_config
 
 from .bases import random_llama, sparse_llama
@@ -42,8 +42,9 @@ def peak_rss_of_a_run(base: Path, out: Path, tmp_path: Path) -> tuple[int, dict[
 
 
 def test_peak_memory_does_not_grow_with_depth(tmp_path: Path, tokenizer_dir: Path) -> None:
-    # Wide MLPs, narrow attention: weights dominate each layer, as in real models.
-    hidden, intermediate = 256, 8192
+    # Weights dominate each layer (14 MiB in BF16), as in real models; kept square so that GPTQ's
+    # Hessians (one per input a layer reads) stay small beside them.
+    hidden, intermediate = 1024, 1024
     layer_bytes = 2 * (4 * hidden * hidden + 3 * hidden * intermediate)
     peaks = {}
     for layers in (4, 20):

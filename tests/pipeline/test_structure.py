@@ -9,8 +9,9 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from fp4prep.pipeline import PipelineError, validate
-from fp4prep.pipeline.recipes import get_recipe
+from fp4prep.pipeline import PipelineError
+from fp4prep.pipeline.formats import FORMATS
+from fp4prep.pipeline.validation import structure
 
 from .helpers import run_tiny
 
@@ -37,7 +38,7 @@ def tampered(src: Path, dst: Path, change: Callable[[dict[str, torch.Tensor]], N
 
 
 def test_the_untouched_checkpoint_passes(nvfp4_checkpoint: Path) -> None:
-    checks = validate.structure(nvfp4_checkpoint, get_recipe("nvfp4"), bf16_bytes=1)
+    checks = structure.structure(nvfp4_checkpoint, FORMATS["nvfp4"], bf16_bytes=1)
     assert checks[0] == "format nvfp4 declared and written (14 quantized modules)"
 
 
@@ -72,9 +73,9 @@ def test_the_untouched_checkpoint_passes(nvfp4_checkpoint: Path) -> None:
 def test_a_broken_checkpoint_is_refused(nvfp4_checkpoint: Path, tmp_path: Path, change, message: str) -> None:
     broken = tampered(nvfp4_checkpoint, tmp_path / "broken", change)
     with pytest.raises(PipelineError, match=message.replace("(", r"\(").replace(")", r"\)")):
-        validate.structure(broken, get_recipe("nvfp4"), bf16_bytes=1)
+        structure.structure(broken, FORMATS["nvfp4"], bf16_bytes=1)
 
 
 def test_a_checkpoint_of_another_format_than_the_recipe_is_refused(nvfp4_checkpoint: Path) -> None:
     with pytest.raises(PipelineError, match="declares nvfp4, the recipe is fp8"):
-        validate.structure(nvfp4_checkpoint, get_recipe("fp8"), bf16_bytes=1)
+        structure.structure(nvfp4_checkpoint, FORMATS["fp8"], bf16_bytes=1)

@@ -19,7 +19,7 @@ from django.test import override_settings
 
 from tests.tiny import save_adapter, save_tiny_base, write_conversations
 
-from .helpers import TINY_BASE_ID, TINY_RECIPE, People, Person, WorkerProcess
+from .helpers import TINY_BASE_ID, TINY_RUN_SETTINGS, People, Person, WorkerProcess
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -61,7 +61,7 @@ def calibration_bytes(tmp_path_factory: pytest.TempPathFactory) -> bytes:
 @pytest.fixture
 def catalogue(transactional_db: Any, tiny_base: Path) -> Any:
     """A CPU catalogue entry for the tiny model (the catalogue is data: tests add their own row)."""
-    from fp4prep.pipeline.adapter_files import base_weight_shapes
+    from fp4prep.pipeline.inputs.adapter_files import base_weight_shapes
     from registry.models import SupportedBase
 
     return SupportedBase.objects.create(
@@ -70,7 +70,7 @@ def catalogue(transactional_db: Any, tiny_base: Path) -> Any:
         accepted_base_ids=[TINY_BASE_ID],
         served_base_id="tests/tiny-llama-nvfp4",
         quantization="nvfp4",
-        recipe=TINY_RECIPE,
+        run_settings=TINY_RUN_SETTINGS,
         user_token_minimum=256,
         typical_hours=Decimal("0.05"),
         gpu_count=0,

@@ -1,5 +1,5 @@
 """Plain helpers for the service tests: the people and their API clients, the tiny catalogue
-entry's recipe, worker processes, waiting for a state, and reading a job's ledger."""
+entry's run settings, worker processes, waiting for a state, and reading a job's ledger."""
 
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ ROOT = Path(__file__).resolve().parents[2]
 TINY_BASE_ID = "tests/tiny-llama"
 
 
-TINY_RECIPE = {
+TINY_RUN_SETTINGS = {
     "calibration_tokens": 2048,
     "sequence_length": 128,
     "parity_prompts": 3,

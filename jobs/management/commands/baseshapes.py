@@ -7,8 +7,8 @@ from typing import Any
 
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 
-from fp4prep.pipeline.adapter_files import base_weight_shapes
 from fp4prep.pipeline.errors import UserError
+from fp4prep.pipeline.inputs.adapter_files import base_weight_shapes
 from jobs.worker import weights_dir
 from registry.models import SupportedBase
 

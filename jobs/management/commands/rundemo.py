@@ -26,6 +26,7 @@ from django.contrib.auth import get_user_model
 from django.core.management import call_command
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 
+from fp4prep.pipeline.validation import report
 from registry.models import ApiKey, Project
 from registry.services import create_project
 
@@ -154,14 +155,12 @@ class Command(BaseCommand):
         watch(client, job.id, interval=1.0)
         job = jobs.retrieve(job.id)
         if job.results is not None and job.report:
-            results, report = job.results, job.report
-            parity, task = report["parity"], report.get("task") or {}
+            results = job.results
+            self.say(f"\nPrepared model {results.api_model_object_id} revision {results.api_model_revision_id}")
+            for line in report.headline(job.report):
+                self.say(f"  {line}")
             self.say(
-                f"\nPrepared model {results.api_model_object_id} revision {results.api_model_revision_id}\n"
-                f"  on answers: top-1 {parity['answer_top1']:.3f}, KL {parity['answer_kl']:.3f}; top-1 on the BF16 "
-                f"model's continuations {parity['continuation_top1']:.3f}; identical greedy {parity['identical_greedy']:.2f}"
-                + (f"\n  adapter task: {task['bf16_success']:.0%} (BF16 merged) -> {task['quantized_success']:.0%} (NVFP4)" if task else "")
-                + f"\n  download: curl -H 'Authorization: Bearer {key}' -o model.tar "
+                f"  download: curl -H 'Authorization: Bearer {key}' -o model.tar "
                 f"{url}/v1/models/{results.api_model_object_id}/revisions/{results.api_model_revision_id}/download"
             )
         return job.status

@@ -37,7 +37,7 @@ def stage_of(job_id: str) -> tuple[str, str]:
 
 def deep_adapter(people: People, catalogue: Any, tmp_path: Path, tokenizer_dir: Path, layers: int = 16) -> dict[str, Any]:
     """An adapter on a base deep enough that calibrating and exporting take seconds each."""
-    from fp4prep.pipeline.adapter_files import base_weight_shapes
+    from fp4prep.pipeline.inputs.adapter_files import base_weight_shapes
     from tests.pipeline.bases import random_llama
     from tests.tiny import save_adapter
 

@@ -61,7 +61,8 @@ def test_a_job_runs_to_completed_and_its_revision_downloads_and_loads(
 
     import torch
 
-    from fp4prep.pipeline import device, reader
+    from fp4prep.pipeline import device
+    from fp4prep.pipeline.validation import reader
 
     model = reader.load(out, device.resolve("cpu"))  # our independent reader dequantizes the downloaded files
     logits = model(torch.tensor([[1, 2, 3, 4]])).logits
@@ -187,7 +188,7 @@ def test_a_requeued_job_continues_from_the_last_layer_its_dead_worker_finished(
 ) -> None:
     from django.conf import settings
 
-    from fp4prep.pipeline.adapter_files import base_weight_shapes
+    from fp4prep.pipeline.inputs.adapter_files import base_weight_shapes
     from jobs import services
     from jobs.models import Job
     from tests.pipeline.bases import random_llama
@@ -307,7 +308,7 @@ def test_failures_on_our_side_tell_the_customer_without_internal_paths_or_except
     # can't run: the exceptions stay in the worker's log.
     CalibrationFile.objects.get(pk=calibration["id"]).path.unlink()
     lost = alice.create(adapter_object_id=adapter["id"], calibration_file_id=calibration["id"]).json()
-    catalogue.recipe = {**catalogue.recipe, "sequence_length": "long"}
+    catalogue.run_settings = {**catalogue.run_settings, "sequence_length": "long"}
     catalogue.save()
     broken = alice.create(adapter_object_id=adapter["id"]).json()
     start_worker("cpu")

@@ -26,14 +26,14 @@ def test_the_shipped_entries_are_valid_and_priced_as_the_spec_says(shipped_catal
 
 
 @pytest.mark.parametrize(
-    ("recipe", "message"),
+    ("run_settings", "message"),
     [
         ({"calibration_token": 10}, "unknown keys ['calibration_token']"),
         ({"thresholds": {"answer_kl": 1.0}}, "thresholds must be an object with exactly the keys"),
         ([], "must be a JSON object"),
     ],
 )
-def test_an_entry_with_a_recipe_the_pipeline_cannot_run_is_refused(catalogue: Any, recipe: Any, message: str) -> None:
-    catalogue.recipe = recipe
+def test_an_entry_with_run_settings_the_pipeline_cannot_run_is_refused(catalogue: Any, run_settings: Any, message: str) -> None:
+    catalogue.run_settings = run_settings
     with pytest.raises(ValidationError, match=message.replace("[", r"\[").replace("]", r"\]")):
         catalogue.full_clean()

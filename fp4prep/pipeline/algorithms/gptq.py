@@ -1,0 +1,223 @@
+"""GPTQ on one decoder layer, after the AWQ search has chosen and folded its scales (or alone).
+
+GPTQ rounds a projection's weights one input column at a time and spreads each column's rounding
+error over the columns not yet rounded, through the inverse Hessian ``(X^T X)^-1`` of the
+projection's inputs, so that the layer's outputs, not its weights, stay close. ModelOpt's ``gptq``
+runs two more passes over the layer's calibration inputs (max calibration, then Hessians) and one
+update per projection. Here the Hessians are gathered in the calibration pass made anyway, once
+per input that several projections read (q/k/v, gate/up), and carried through the AWQ scale the
+fold gave that input (``x * c`` has Hessian ``diag(c) H diag(c)``); projections that read one input
+are rounded together, as one matrix. NVFP4's weight scales are static (fixed per block before the
+update, as the checkpoint stores them), computed by ModelOpt's max calibration of the folded
+weights; MXFP4's are each block's own power of two (see ``quantize_layer``).
+
+Routed experts, which transformers keeps stacked in one module per layer (and ModelOpt quantizes as
+such, not as Linear layers), keep their max-calibrated weights: GPTQ covers attention, dense MLPs
+and shared experts, so its Hessians stay a handful per layer (one ``hidden``² matrix per input
+read, one ``intermediate``² per ``down_proj``), never one per expert.
+
+On CUDA the NVFP4 update is ModelOpt's Triton kernel (one launch per 128 columns). On a CPU, and
+for MXFP4, it is ``gptq_update``, which rounds the 16 columns that share a block scale in one step:
+each row's 16 roundings depend only on that row, so the 16-column chain compiles into one loop over
+the rows, where column by column in eager torch it costs a dozen small operations per column.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from ..errors import PipelineError
+from ..formats import of_quantizer
+from ..formats.compiled import Compiled
+from ..formats.numerics import E4M3_MAX, mxfp4_exponents, quantize_to_scales, static_nvfp4_scales
+from .fold import Factors, calibrate_weights, static_scales
+
+BLOCK = 128  # columns updated together before the rest of the matrix is corrected
+CHUNK = 16  # columns rounded in one (compiled) step: within one block scale of NVFP4 or MXFP4
+
+
+@dataclass
+class _Input:
+    """The Hessian of one input tensor, and the projections that read it."""
+
+    names: list[str] = field(default_factory=list)
+    hessian: torch.Tensor | None = None
+    tokens: int = 0
+
+
+class Hessians:
+    """``X^T X`` of the inputs of every quantized projection of ``layer``, one per distinct input.
+
+    Projections that are called with the very same tensor (q/k/v after the norm, gate/up) share one
+    Hessian; the others (o_proj, down_proj, a shared expert's) get their own. Collected by forward
+    pre-hooks until ``remove``.
+    """
+
+    def __init__(self, layer: torch.nn.Module, stride: int = 1) -> None:
+        from modelopt.torch.quantization.utils import is_quantized_linear
+
+        self.stride = stride  # every stride-th token of a batch goes into the Hessians
+        self.modules = {
+            n: m for n, m in layer.named_modules() if is_quantized_linear(m) and m.weight_quantizer.is_enabled
+        }
+        self.inputs: dict[str, _Input] = {}  # first reader's name -> its input's Hessian
+        self._last: tuple[torch.Tensor, str] | None = None  # the input seen last, and whose it is
+        self._handles = [
+            module.register_forward_pre_hook(lambda _m, args, n=name: self._observe(n, args[0]))
+            for name, module in self.modules.items()
+        ]
+
+    def _observe(self, name: str, x: torch.Tensor) -> None:
+        if self._last is not None and self._last[0] is x:  # another reader of the same tensor
+            owner = self._last[1]
+            if name not in self.inputs[owner].names:
+                self.inputs[owner].names.append(name)
+            return
+        owner = next((o for o, i in self.inputs.items() if name in i.names), name)
+        entry = self.inputs.setdefault(owner, _Input([name]))
+        flat = x.detach().reshape(-1, x.shape[-1])[:: self.stride].float()
+        if flat.shape[0]:
+            if entry.hessian is None:
+                entry.hessian = torch.zeros(flat.shape[1], flat.shape[1], device=flat.device)
+            entry.hessian.addmm_(flat.T, flat)
+            entry.tokens += flat.shape[0]
+        self._last = (x, owner)
+
+    def remove(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._last = None
+
+
+def _is_mxfp4(quantizer: Any) -> bool:
+    fmt = of_quantizer(quantizer.num_bits, quantizer.block_sizes)
+    return fmt is not None and fmt.block_scale == "e8m0"
+
+
+@torch.no_grad()
+def quantize_layer(layer: torch.nn.Module, hessians: Hessians, prefix: str, factors: Factors, damp: float) -> None:
+    """Weight scales for the (folded) layer, then GPTQ's rounding of its weights.
+
+    NVFP4 weights need static scales (the checkpoint stores what calibration fixed; max
+    calibration of the folded weights sets them here). MXFP4's power-of-two scales are the block
+    maxima's, computed again at export: a block GPTQ rounded on the grid of scale ``s`` exports on
+    the same grid, or, if its largest value fell to ``3 s`` or below, on the grid of ``s / 2`` or
+    finer, which holds every value of the coarser one up to ``3 s``; either way the same values.
+
+    ``factors`` says what folding multiplied each projection's input by (``in_scale``, keyed by
+    ``prefix`` + name + ``.weight``); the Hessians, of the unquantized inputs, were gathered before
+    that. A projection no calibration token reached keeps its max-calibrated weights."""
+    for name, module in hessians.modules.items():
+        quantizer = module.weight_quantizer
+        if not (_is_mxfp4(quantizer) or static_scales(quantizer)):
+            raise PipelineError(f"GPTQ needs static NVFP4 weight scales; {name} has dynamic ones")
+    calibrate_weights(layer)  # the block scales GPTQ rounds against, from the folded weights
+    for entry in hessians.inputs.values():
+        if entry.hessian is None or entry.tokens == 0:
+            continue
+        hessian = entry.hessian / entry.tokens
+        scale = factors.get(prefix + entry.names[0] + ".weight", {}).get("in_scale")
+        if scale is not None:
+            c = scale.to(hessian.device, torch.float32)
+            hessian = hessian * c[:, None] * c[None, :]
+        _update([hessians.modules[n] for n in entry.names], hessian, damp)
+
+
+def _update(modules: list[Any], hessian: torch.Tensor, damp: float) -> None:
+    """GPTQ on the modules that read one input, their rows stacked into one matrix."""
+    from modelopt.torch.quantization.utils.calib_utils import compute_hessian_inverse
+
+    weights = [m.weight.detach().float() for m in modules]
+    weight = torch.cat(weights)
+    device = weight.device
+    h_inv = compute_hessian_inverse(hessian.to(device), weight, damp)
+    quantizers = [m.weight_quantizer for m in modules]
+    group = int(quantizers[0].block_sizes.get(-1) or 16)
+    if _is_mxfp4(quantizers[0]):
+        scales = torch.exp2(mxfp4_exponents(weight, group))
+        gptq_update(weight, h_inv, scales, group, BLOCK)
+    else:
+        _update_nvfp4(weight, weights, quantizers, h_inv, group)
+    start = 0
+    for m, w in zip(modules, weights, strict=True):
+        m.weight.data.copy_(weight[start : start + w.shape[0]].to(m.weight.dtype))
+        start += w.shape[0]
+
+
+def _update_nvfp4(
+    weight: torch.Tensor, weights: list[torch.Tensor], quantizers: list[Any], h_inv: torch.Tensor, group: int
+) -> None:
+    from modelopt.torch.quantization.utils.numeric_utils import fp8_max_for_normalization
+
+    amax = torch.cat([q.amax.reshape(w.shape[0], w.shape[1] // group).float() for q, w in zip(quantizers, weights, strict=True)])
+    global_amax = quantizers[0].global_amax.float()
+    if (
+        weight.device.type == "cuda"
+        and all(torch.equal(q.global_amax.float(), global_amax) for q in quantizers)
+        and all(fp8_max_for_normalization(q) == E4M3_MAX for q in quantizers)
+    ):
+        # ModelOpt's Triton kernel: one launch per block of columns.
+        from modelopt.torch.quantization.utils.calib_utils import gptq_blockwise_update_fused_scalar
+
+        gptq_blockwise_update_fused_scalar(
+            weight, amax, global_amax.item() / (6.0 * E4M3_MAX), h_inv, BLOCK, group
+        )
+        return
+    scales = torch.cat([
+        static_nvfp4_scales(a, q.global_amax, fp8_max=fp8_max_for_normalization(q)).to(weight.device)
+        for q, a in zip(quantizers, amax.split([w.shape[0] for w in weights]), strict=True)
+    ])
+    gptq_update(weight, h_inv, scales, group, BLOCK)
+
+
+# --- the update ------------------------------------------------------------------------------
+
+
+def gptq_update(weight: torch.Tensor, h_inv: torch.Tensor, scales: torch.Tensor, group: int, block_size: int) -> None:
+    """GPTQ's blockwise weight update in place: each column rounded to the E2M1 grid of its block's
+    scale (``scales``: one column per ``group`` weight columns), its error spread over the columns
+    after it through the inverse Hessian's upper Cholesky factor ``h_inv``."""
+    columns = weight.shape[1]
+    if block_size % group or columns % group or group % CHUNK:
+        raise PipelineError(f"GPTQ: {columns} columns in blocks of {block_size} can't be rounded in groups of {group}")
+    for start in range(0, columns, block_size):
+        end = min(start + block_size, columns)
+        block = weight[:, start:end].clone()
+        h_block = h_inv[start:end, start:end]
+        errors = torch.empty_like(block)
+        for first in range(0, end - start, CHUNK):
+            last = first + CHUNK
+            rounded, error = _round_group(
+                block[:, first:last].contiguous(), h_block[first:last, first:last].contiguous(),
+                scales[:, (start + first) // group].contiguous(),
+            )
+            block[:, first:last] = rounded
+            errors[:, first:last] = error
+            if last < end - start:
+                block[:, last:].addmm_(error, h_block[first:last, last:], alpha=-1)
+        weight[:, start:end] = block
+        if end < columns:
+            weight[:, end:].addmm_(errors, h_inv[start:end, end:], alpha=-1)
+
+
+def _round_group_eager(w: torch.Tensor, h: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Round the columns of ``w`` (one block scale's worth) in turn, each after the errors of the
+    ones before it were spread into it; returns the rounded columns and the scaled errors."""
+    columns = list(w.float().unbind(1))
+    rounded, errors = [], []
+    for i in range(len(columns)):
+        q = quantize_to_scales(columns[i], scale)
+        error = (columns[i] - q) / h[i, i]
+        for j in range(i + 1, len(columns)):
+            columns[j] = columns[j] - error * h[i, j]
+        rounded.append(q)
+        errors.append(error)
+    return torch.stack(rounded, 1), torch.stack(errors, 1)
+
+
+# Each row's chain is independent of the others: compiled, one loop over rows whatever its length.
+# Matrices of fewer rows (tiny test models) stay eager: not worth a compile in every new worker.
+_round_group = Compiled(_round_group_eager, min_values=CHUNK * 512)

@@ -1,0 +1,76 @@
+"""What a checkpoint says about itself: its lineage as JSON (``fp4prep.json``) and a model card."""
+
+from __future__ import annotations
+
+import json
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+from ..config import PipelineConfig, PipelineResult
+from ..recipes import Recipe
+from ..validation import report
+from .versions import tool_versions
+
+LINEAGE_FILE = "fp4prep.json"
+
+
+def lineage(config: PipelineConfig, recipe: Recipe, result: PipelineResult) -> dict[str, Any]:
+    metrics = result.to_dict()
+    if metrics.get("retention"):
+        metrics["retention"] = {k: v for k, v in metrics["retention"].items() if k != "per_tensor"}
+    return {
+        "name": config.lineage.get("name"),
+        "base": config.lineage.get("base", str(config.base_dir)),
+        "adapter": config.lineage.get("adapter", str(config.adapter_dir) if config.adapter_dir else None),
+        "calibration_sha256": result.corpus.calibration_sha256,
+        "recipe": {
+            "name": recipe.name,
+            "modelopt_config": recipe.format.modelopt_config,
+            "calibration": recipe.calibration,
+            "quant_algo": recipe.format.declared,
+            "layout": recipe.format.layout.name,
+            "calibration_tokens": result.corpus.user_tokens + result.corpus.general_tokens,
+            "sequence_length": config.sequence_length,
+        },
+        "metrics": {
+            k: metrics[k]
+            for k in ("parity", "retention", "task", "reload_max_logit_diff", "corpus", "expert_tokens")
+        },
+        "quality_gate": {"enforced": config.quality_gate, "misses": result.quality_misses},
+        "device": result.device,
+        "tools": tool_versions(),
+        "created_at": datetime.now(UTC).isoformat(timespec="seconds"),
+        **{k: v for k, v in config.lineage.items() if k not in ("name", "base", "adapter")},
+    }
+
+
+def write(output_dir: Path, lineage: dict[str, Any], result: dict[str, Any]) -> None:
+    """The lineage as JSON and as the checkpoint's README, with the run's report (``result``)."""
+    (output_dir / LINEAGE_FILE).write_text(json.dumps(lineage, indent=2, default=str) + "\n")
+    recipe = lineage["recipe"]
+    lines = [
+        "---",
+        "library_name: transformers",
+        f"tags: [fp4prep, {recipe['name']}, quantized]",
+        "---",
+        f"# {lineage.get('name') or 'Prepared model'} ({recipe['quant_algo']})",
+        "",
+        "Prepared by fp4prep: the adapter was merged into the base's BF16 weights, then the merged",
+        "model was calibrated and quantized with NVIDIA ModelOpt.",
+        "",
+        "| | |",
+        "|---|---|",
+        f"| base | `{lineage.get('base')}` |",
+        f"| adapter | `{lineage.get('adapter')}` |",
+        f"| calibration file sha256 | `{lineage.get('calibration_sha256')}` |",
+        f"| recipe | `{recipe['name']}` ({recipe['modelopt_config']}; calibration: {recipe['calibration']}) |",
+        "",
+        "## Measured against the BF16 merged model",
+        "",
+        *report.markdown(report.figures(result)),
+        "",
+        "Tool versions: " + ", ".join(f"{k} {v}" for k, v in lineage.get("tools", {}).items()),
+        "",
+    ]
+    (output_dir / "README.md").write_text("\n".join(lines))

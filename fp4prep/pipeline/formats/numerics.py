@@ -1,0 +1,170 @@
+"""The formats' arithmetic in plain torch: E2M1 rounding, NVFP4 / MXFP4 / FP8 quantize-dequantize,
+block scales, and the packed E2M1 bytes a checkpoint stores.
+
+These reproduce ModelOpt's own ``NVFP4QTensor`` / ``MXFP4QTensor`` quantize-then-dequantize, which
+is what an exported checkpoint holds, so the fake-quant model that is calibrated and measured is
+the model the checkpoint describes. The independent reader dequantizes with the same functions.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .compiled import compiled
+
+E2M1_MAX = 6.0
+E4M3_MAX = 448.0
+NVFP4_GLOBAL = E2M1_MAX * E4M3_MAX  # 2688: a global amax is its FP32 scale times this
+
+
+def e2m1_round(x: torch.Tensor, ties_to_even: bool = True) -> torch.Tensor:
+    """``x`` rounded to the nearest E2M1 value (saturating at 6), sign kept.
+
+    Arithmetic instead of a table search: the grid's step is 0.5 below 2, 1 below 4, 2 up to 6,
+    and dividing by a power of two is exact, so rounding ``|x| / step`` to an integer gives the
+    same codes as ModelOpt's search. ``torch.round`` rounds half to even, as ``NVFP4QTensor``
+    does; ``ceil(v - 0.5)`` rounds ties down, as ``MXFP4QTensor`` does.
+    """
+    mag = x.float().abs().clamp(max=E2M1_MAX)
+    step = torch.where(mag < 2, 0.5, torch.where(mag < 4, 1.0, 2.0))
+    units = mag / step
+    units = torch.round(units) if ties_to_even else torch.ceil(units - 0.5)
+    return torch.copysign(units * step, x.float())
+
+
+def _blocks(x: torch.Tensor, block_size: int) -> torch.Tensor:
+    if x.shape[-1] % block_size:
+        raise ValueError(f"last dimension {x.shape[-1]} is not a multiple of the block size {block_size}")
+    return x.reshape(*x.shape[:-1], x.shape[-1] // block_size, block_size)
+
+
+def nvfp4_scales(
+    x: torch.Tensor, block_size: int, global_amax: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-block E4M3 scales (as float32) and the FP32 global scale, as ``NVFP4QTensor`` makes them."""
+    scale_2 = global_amax.float() / (E2M1_MAX * E4M3_MAX)
+    block_amax = _blocks(x, block_size).abs().amax(dim=-1).float()
+    per_block = block_amax / (E2M1_MAX * scale_2)
+    per_block = torch.where(per_block == 0, torch.ones_like(per_block), per_block)
+    per_block = per_block.clamp(min=2**-9, max=E4M3_MAX).to(torch.float8_e4m3fn).float()
+    return per_block, scale_2
+
+
+@compiled
+def nvfp4_fake_quant(x: torch.Tensor, block_size: int, global_amax: torch.Tensor) -> torch.Tensor:
+    """NVFP4 quantize-dequantize: E2M1 values, E4M3 scale per block, FP32 global scale."""
+    per_block, scale_2 = nvfp4_scales(x, block_size, global_amax)
+    step = (per_block * scale_2).unsqueeze(-1)
+    blocks = _blocks(x, block_size)
+    out = e2m1_round(blocks / step, ties_to_even=True) * step
+    return out.reshape(x.shape).to(x.dtype)
+
+
+def static_nvfp4_scales(
+    amax: torch.Tensor, global_amax: torch.Tensor | None, quantize: bool = True, fp8_max: float = E4M3_MAX
+) -> torch.Tensor:
+    """The block steps of a static NVFP4 quantizer (per-block amax fixed by calibration: MSE,
+    local Hessian, GPTQ, 4/6), as the exported checkpoint holds them and engines apply them: an
+    E4M3 code per block, ``amax / 6`` normalized against the global amax (to 256 instead of 448
+    in 4/6 mode), times the FP32 global scale ``global_amax / (6 * fp8_max)``.
+
+    ModelOpt's Triton kernel rounds the same codes but forms the product in another order, which
+    shows in the last bit of BF16 results; the checkpoint's order is the one that counts.
+    """
+    scale = amax.float() / E2M1_MAX
+    if not quantize:
+        return scale
+    top = amax.float().amax() if global_amax is None else global_amax.float()
+    scale = torch.where(scale == 0, torch.ones_like(scale), scale)
+    code = (scale * fp8_max / (top / E2M1_MAX)).clamp(min=2**-9, max=E4M3_MAX).to(torch.float8_e4m3fn).float()
+    return code * (top / (E2M1_MAX * fp8_max))
+
+
+def quantize_to_scales(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """``x`` on the E2M1 grid of ``scale`` (broadcast); a zero or non-finite scale gives zero."""
+    bad = (scale == 0) | ~torch.isfinite(scale)
+    safe = torch.where(bad, torch.ones_like(scale), scale)
+    return torch.where(bad, torch.zeros_like(x), e2m1_round(x.float() / safe) * safe)
+
+
+@compiled
+def static_nvfp4_fake_quant(
+    x: torch.Tensor,
+    amax: torch.Tensor,
+    global_amax: torch.Tensor | None = None,
+    quantize_block_scales: bool = True,
+    fp8_max_for_normalization: float = E4M3_MAX,
+    out_dtype: torch.dtype | None = None,
+    pass_through_bwd: bool = False,
+) -> torch.Tensor:
+    """ModelOpt's ``static_blockwise_fp4_fake_quant`` (a Triton kernel) in torch, same signature."""
+    scale = static_nvfp4_scales(amax, global_amax, quantize_block_scales, fp8_max_for_normalization)
+    blocks = x.reshape(amax.numel(), -1).float()
+    out = quantize_to_scales(blocks, scale.reshape(-1, 1).to(blocks.device))
+    return out.reshape(x.shape).to(out_dtype or x.dtype)
+
+
+def mxfp4_exponents(x: torch.Tensor, block_size: int) -> torch.Tensor:
+    """Unbiased E8M0 exponents per block: ``ceil(log2(amax / 6))``, floored at -127."""
+    block_amax = _blocks(x, block_size).float().abs().amax(dim=-1)
+    floor = torch.tensor(-127.0, device=x.device)
+    return torch.ceil(torch.maximum(torch.log2(block_amax / E2M1_MAX), floor))
+
+
+@compiled
+def mxfp4_fake_quant(x: torch.Tensor, block_size: int) -> torch.Tensor:
+    """MXFP4 quantize-dequantize: E2M1 values with a power-of-two (E8M0) scale per block."""
+    step = torch.exp2(mxfp4_exponents(x, block_size)).unsqueeze(-1)
+    blocks = _blocks(x, block_size).float()
+    out = e2m1_round(blocks / step, ties_to_even=False) * step
+    return out.reshape(x.shape).to(x.dtype)
+
+
+def fp8_fake_quant(x: torch.Tensor, amax: torch.Tensor) -> torch.Tensor:
+    """E4M3 quantize-dequantize with scale ``amax / 448`` (broadcast: per tensor, channel or token).
+
+    The division by the scale, not a multiplication by its inverse, is what ModelOpt's export
+    writes and what engines undo with ``fp8 * scale``; the difference shows in BF16.
+    """
+    amax = amax.float()
+    scale = torch.where(amax > 0, amax / E4M3_MAX, torch.ones_like(amax))
+    q = (x.float() / scale).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
+    return (q.float() * scale).to(x.dtype)
+
+
+def per_token_fp8_fake_quant(x: torch.Tensor) -> torch.Tensor:
+    """Dynamic per-token FP8, as engines quantize activations for FP8_PER_CHANNEL_PER_TOKEN."""
+    return fp8_fake_quant(x, x.detach().abs().amax(dim=-1, keepdim=True))
+
+
+# --- the stored form -------------------------------------------------------------------------------
+
+E2M1_LUT = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0])
+# Both values of every packed byte: byte -> (value of the low nibble, value of the high nibble).
+E2M1_PAIRS = torch.stack((E2M1_LUT.repeat(16), E2M1_LUT.repeat_interleave(16)), dim=-1)
+
+
+def unpack_e2m1(packed: torch.Tensor) -> torch.Tensor:
+    """uint8 ``[..., K/2]`` (low nibble = even element) to float32 values ``[..., K]``."""
+    return E2M1_PAIRS.to(packed.device)[packed.int()].reshape(*packed.shape[:-1], -1)
+
+
+def _scale_blocks(values: torch.Tensor, steps: torch.Tensor) -> torch.Tensor:
+    """Each block of ``values`` (the last dimension, split in ``steps.shape[-1]`` blocks) times its step."""
+    blocks = values.reshape(*steps.shape, -1)
+    return (blocks * steps.unsqueeze(-1)).reshape(values.shape)
+
+
+def dequantize_nvfp4(packed: torch.Tensor, block_scale: torch.Tensor, global_scale: float) -> torch.Tensor:
+    # Scale times global first, as engines and ModelOpt do: the rounding order shows in BF16.
+    steps = block_scale.float() * torch.tensor(global_scale, dtype=torch.float32)
+    return _scale_blocks(unpack_e2m1(packed), steps)
+
+
+def dequantize_mxfp4(packed: torch.Tensor, exponents: torch.Tensor) -> torch.Tensor:
+    return _scale_blocks(unpack_e2m1(packed), torch.exp2(exponents.float() - 127))
+
+
+def dequantize_fp8(weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """E4M3 weights times their per-output-channel scale."""
+    return weight.float() * scale.float().reshape(-1, *([1] * (weight.dim() - 1)))

@@ -1,0 +1,158 @@
+"""The lazy map of tensors a streamed model reads its weights from, and where changed ones are kept.
+
+``LazyWeights`` gives each tensor by the name a transformers model uses, computed when asked for
+(merged, dequantized, stacked); ``WrittenBack`` keeps the weights a calibration changed, on disk.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator, Mapping, MutableMapping
+from pathlib import Path
+
+import torch
+
+from .experts import ExpertLayout, stack
+from .memory import trim_heap
+
+_LAYER = re.compile(r"^.*?\.layers\.\d+\.")
+# The heap is trimmed when a new layer starts and this many bytes of weights were read since the
+# last trim: on small layers trimming every time would cost more than it saves.
+TRIM_AFTER_BYTES = 32 << 20
+
+
+class LazyWeights(Mapping[str, torch.Tensor]):
+    """Tensors by the names a transformers model uses, each computed when asked for.
+
+    Subclasses read one stored tensor (``stored``) in ``dtype`` on ``device``, where whatever
+    arithmetic it takes (merging, dequantizing) is done; stacked expert tensors are assembled here
+    from the stored per-expert ones.
+    """
+
+    def __init__(self, stored_names: list[str], dtype: torch.dtype, device: torch.device | str = "cpu") -> None:
+        self.layout = ExpertLayout(stored_names)
+        self.dtype = dtype
+        self.device = torch.device(device)
+        self._names = self.layout.names()
+        self._stored = set(stored_names)
+        # ModelOpt writes materialized weights back into ``weights_map.state_dict`` for the keys it
+        # holds. Until ``keep_written`` gives it a store, it holds none: calibrations that only set
+        # amax have nothing to keep.
+        self.state_dict: Mapping[str, torch.Tensor] | WrittenBack = {}
+        self._last_layer: str | None = None
+        self._read = 0
+
+    def keep_written(self, directory: Path) -> WrittenBack:
+        """From now on keep what is written back (weights a calibration changed: AWQ's smoothing,
+        folded scales) in ``directory``, and read those instead of computing them again."""
+        store = WrittenBack(self, directory)
+        self.state_dict = store
+        return store
+
+    def stored(self, name: str) -> torch.Tensor:
+        raise NotImplementedError
+
+    def stored_shape(self, name: str) -> tuple[int, ...]:
+        raise NotImplementedError
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        parts = self.layout.parts(name)
+        if isinstance(self.state_dict, WrittenBack) and self.state_dict.holds(name):
+            tensor = self.state_dict.load(name)
+        elif parts is not None:
+            tensor = stack(parts, self.stored, self.stored_shape)
+        elif name not in self._stored:
+            raise KeyError(name)
+        else:
+            tensor = self.stored(name)
+        self._read += tensor.numel() * tensor.element_size()
+        layer = _LAYER.match(name)
+        key = layer[0] if layer else None
+        if key != self._last_layer and self._read >= TRIM_AFTER_BYTES:
+            trim_heap()  # a new layer starts: what the last ones left free goes back
+            self._read = 0
+        self._last_layer = key
+        return tensor
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._names)
+
+    def __len__(self) -> int:
+        return len(self._names)
+
+    def __contains__(self, name: object) -> bool:
+        return isinstance(name, str) and (name in self._stored or self.layout.parts(name) is not None)
+
+    def numel(self, name: str) -> int:
+        parts = self.layout.parts(name)
+        names = [n for expert in parts for n in expert] if parts is not None else [name]
+        total = 0
+        for n in names:
+            count = 1
+            for d in self.stored_shape(n):
+                count *= d
+            total += count
+        return total
+
+
+class WrittenBack(MutableMapping[str, torch.Tensor]):
+    """Where accelerate's offload hooks write a module's tensors back (``weights_map.state_dict``),
+    kept on disk, one safetensors file per tensor, so that changed weights survive the layer being
+    offloaded again without the model ever being held whole.
+
+    accelerate writes a tensor back only under a key the store already has, converted to that
+    entry's device and dtype; every tensor of the map counts as present, and one not written yet
+    reads as an empty tensor of the map's dtype on its device (all accelerate takes from it).
+    The directory belongs to the run: a resumed run finds what it wrote.
+    """
+
+    def __init__(self, weights: LazyWeights, directory: Path) -> None:
+        self.weights = weights
+        self.directory = directory
+        directory.mkdir(parents=True, exist_ok=True)
+        self._written = {p.stem for p in directory.glob("*.safetensors")}
+
+    def _path(self, name: str) -> Path:
+        return self.directory / f"{name}.safetensors"
+
+    def holds(self, name: str) -> bool:
+        return name in self._written
+
+    def load(self, name: str) -> torch.Tensor:
+        from safetensors.torch import load_file
+
+        return load_file(str(self._path(name)), device=str(self.weights.device))["tensor"].to(self.weights.dtype)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self.weights
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        if self.holds(name):
+            return self.load(name)
+        return torch.empty(0, dtype=self.weights.dtype, device=self.weights.device)
+
+    def __setitem__(self, name: str, tensor: torch.Tensor) -> None:
+        import os
+
+        from safetensors.torch import save_file
+
+        path = self._path(name)
+        tmp = path.with_suffix(".tmp")
+        # Rounded to BF16 as it is kept: the merged model's weights are BF16, what is exported is
+        # cast to BF16, and the calibrated model must compute with what the checkpoint holds.
+        save_file({"tensor": tensor.detach().to("cpu", torch.bfloat16).contiguous()}, str(tmp))
+        os.replace(tmp, path)
+        self._written.add(name)
+
+    def __delitem__(self, name: str) -> None:
+        self._path(name).unlink(missing_ok=True)
+        self._written.discard(name)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(sorted(self._written))
+
+    def __len__(self) -> int:
+        return len(self._written)
+
+    def bytes(self) -> int:
+        return sum(p.stat().st_size for p in self.directory.glob("*.safetensors"))

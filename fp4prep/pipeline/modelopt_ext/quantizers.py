@@ -1,0 +1,122 @@
+"""ModelOpt's quantizers for a recipe: the config that inserts them, and their calibrated state
+kept and put back (a resumed run skips what an earlier one calibrated)."""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import io
+import logging
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..device import Compute
+from ..formats import KEPT_BF16
+from ..recipes import Recipe
+from . import backend
+from .session import METHOD
+
+logger = logging.getLogger(__name__)
+
+
+@contextlib.contextmanager
+def quiet() -> Iterator[io.StringIO]:
+    """ModelOpt prints and draws its own progress bar; keep both in our log instead."""
+    chatter = io.StringIO()
+    try:
+        with contextlib.redirect_stdout(chatter), contextlib.redirect_stderr(chatter):
+            yield chatter
+    finally:
+        logger.debug("modelopt: %s", chatter.getvalue().strip())
+
+
+def quant_config(recipe: Recipe, compute: Compute, checkpoint_dir: Path | None = None) -> dict[str, Any]:
+    """ModelOpt's config for ``recipe``: the format's preset, quantizers on the CPU backend where
+    there is no CUDA, static NVFP4 weight scales for GPTQ, what stays BF16 excluded, and layerwise
+    calibration (one decoder layer at a time, checkpointed per layer in ``checkpoint_dir``) running
+    the recipe's steps, or the preset's own max calibration where it has none."""
+    import modelopt.torch.quantization as mtq
+
+    config = copy.deepcopy(getattr(mtq, recipe.format.modelopt_config))
+    entries = config["quant_cfg"]
+    for entry in entries:
+        cfg = entry.get("cfg")
+        if not isinstance(cfg, dict):
+            continue
+        if not compute.cuda and backend.handles(cfg.get("num_bits")):
+            cfg["backend"] = backend.NAME
+        if recipe.static_weight_scales and entry.get("quantizer_name") == "*weight_quantizer":
+            cfg["block_sizes"] = {**cfg["block_sizes"], "type": "static"}
+    entries.extend({"quantizer_name": p, "enable": False} for p in KEPT_BF16)
+    if not recipe.format.activations_quantized:
+        entries.append({"quantizer_name": "*input_quantizer", "enable": False})
+    algorithm = config.get("algorithm")
+    if recipe.steps:
+        algorithm = {"method": METHOD}
+    if algorithm is not None:
+        algorithm = {"method": algorithm} if isinstance(algorithm, str) else dict(algorithm)
+        algorithm["layerwise"] = {
+            **algorithm.get("layerwise", {}),
+            "enable": True,
+            # Max calibration only sets amax: the per-layer checkpoint needs no weights. The
+            # recipe's steps change them: each layer is written back into the weights map.
+            "calib_mutates_weights": recipe.mutates_weights,
+            **({"checkpoint_dir": str(checkpoint_dir)} if checkpoint_dir else {}),
+        }
+        config["algorithm"] = algorithm
+    return config
+
+
+def share_fused_scales(model: torch.nn.Module) -> None:
+    """Give fused groups (q/k/v, gate/up, each expert's gate/up) one global scale.
+
+    Serving engines run these projections as one GEMM with one global scale; ModelOpt's export
+    does this sharing too, and doing it before the fake-quant model is measured keeps that model
+    identical to what the checkpoint will hold.
+    """
+    from modelopt.torch.export.unified_export_hf import requantize_resmooth_fused_llm_layers
+
+    with torch.no_grad(), quiet():
+        requantize_resmooth_fused_llm_layers(model)
+
+
+def save(model: torch.nn.Module, path: Path, extra: dict[str, Any]) -> None:
+    """The calibrated quantizers (ModelOpt's state and every amax), so a resumed run skips calibration."""
+    import modelopt.torch.opt as mto
+    from modelopt.torch.quantization.utils import get_quantizer_state_dict
+
+    state = {
+        "modelopt_state": mto.modelopt_state(model),
+        "quantizers": {k: {n: t.cpu() for n, t in v.items()} for k, v in get_quantizer_state_dict(model).items()},
+        **extra,
+    }
+    tmp = path.with_suffix(".tmp")
+    torch.save(state, tmp)
+    os.replace(tmp, path)
+
+
+def restore(model: torch.nn.Module, path: Path, compute: Compute) -> dict[str, Any]:
+    """Put back what ``save`` wrote (inside the run's ``Session``); returns its extra entries."""
+    import modelopt.torch.opt as mto
+    from modelopt.torch.quantization.nn import TensorQuantizer
+
+    # Written by this pipeline into the job's own state directory, never user-supplied.
+    state = torch.load(path, map_location=compute.device, weights_only=False)
+    with quiet():
+        mto.restore_from_modelopt_state(model, state.pop("modelopt_state"))
+    saved = state.pop("quantizers")
+    for name, module in model.named_modules():
+        if not isinstance(module, TensorQuantizer) or name not in saved:
+            continue
+        # Assigned, not copied: on a streamed model ModelOpt re-creates these buffers beside the
+        # (meta) weights, and copying into a meta tensor keeps nothing.
+        for key, value in saved[name].items():
+            if key in module._buffers:
+                module._buffers[key] = value
+            else:
+                module.register_buffer(key, value)
+    return state

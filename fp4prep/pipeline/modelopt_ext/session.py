@@ -1,0 +1,136 @@
+"""Everything fp4prep registers with ModelOpt or patches in it, for one run, undone when it ends.
+
+- The CPU fake-quant backend (``backend.CpuBackend``), which quantizers name where there is no CUDA.
+- ``fp4prep``, a calibration algorithm whose per-layer function is the run's own ``LayerPass`` (the
+  recipe's steps); restoring a calibrated model's state needs it registered too.
+- ModelOpt's static NVFP4 fake-quant kernel (Triton, called directly by quantizers with static block
+  scales, whatever their backend) replaced by ``numerics.static_nvfp4_fake_quant``, the arithmetic
+  the checkpoint holds: from the start without Triton, and after calibration on CUDA, where the
+  calibrated model is then measured in the checkpoint's numerics (``use_checkpoint_numerics``).
+
+A ``Session`` is a context manager: what it changed is put back as it was on exit, so two runs in
+one process calibrate alike.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from collections.abc import Callable
+from typing import Any, Literal
+
+import torch
+
+from ..device import Compute
+from ..formats.numerics import static_nvfp4_fake_quant
+from . import backend
+
+METHOD = "fp4prep"
+# A decoder layer and the function that replays its calibration inputs through it.
+LayerFunction = Callable[[torch.nn.Module, Callable[[torch.nn.Module], None]], None]
+
+
+class Session:
+    def __init__(self, compute: Compute) -> None:
+        self.compute = compute
+        self.backend = backend.CpuBackend()
+        self.layer_pass: LayerFunction | None = None  # set by the calibration that runs the recipe
+        self._undo: list[Callable[[], None]] = []
+        self._kernel_swapped = False
+
+    def __enter__(self) -> Session:
+        self._register_backend()
+        self._register_algorithm()
+        if not _triton_available():
+            self._swap_static_kernel()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        while self._undo:
+            self._undo.pop()()
+
+    def use_checkpoint_numerics(self, model: torch.nn.Module) -> None:
+        """Switch every quantizer of ``model`` to the checkpoint's arithmetic (the CPU backend's).
+
+        On the CPU they already run it; on CUDA, ModelOpt's kernels calibrated the model and this
+        makes it bit-comparable with the checkpoint's independent reload.
+        """
+        from modelopt.torch.quantization.nn import TensorQuantizer
+
+        self._swap_static_kernel()
+        for module in model.modules():
+            if isinstance(module, TensorQuantizer) and module.is_enabled and backend.handles(module.num_bits):
+                module.backend = backend.NAME
+
+    def _register_backend(self) -> None:
+        from modelopt.torch.quantization.nn.modules import tensor_quantizer as tq
+
+        previous = tq._QUANT_FUNCTIONAL_BACKENDS.get(backend.NAME)
+        tq._QUANT_FUNCTIONAL_BACKENDS[backend.NAME] = self.backend
+        if previous is None:
+            self._undo.append(lambda: tq.unregister_quant_backend(backend.NAME))
+        else:
+            self._undo.append(lambda: tq._QUANT_FUNCTIONAL_BACKENDS.__setitem__(backend.NAME, previous))
+
+    def _register_algorithm(self) -> None:
+        from modelopt.torch.quantization.mode import CalibrateModeRegistry
+
+        descriptor = _descriptor(self)
+        name = f"{METHOD}_calibrate"
+        previous = CalibrateModeRegistry.get(name)
+        if previous is not None:
+            CalibrateModeRegistry.remove_mode(name)
+        CalibrateModeRegistry.register_mode(descriptor)
+
+        def undo() -> None:
+            CalibrateModeRegistry.remove_mode(name)
+            if previous is not None:
+                CalibrateModeRegistry.register_mode(type(previous))
+
+        self._undo.append(undo)
+
+    def _swap_static_kernel(self) -> None:
+        from modelopt.torch.quantization.nn.modules import tensor_quantizer as tq
+
+        if self._kernel_swapped:
+            return
+        original = tq.static_blockwise_fp4_fake_quant
+        tq.static_blockwise_fp4_fake_quant = static_nvfp4_fake_quant
+        self._kernel_swapped = True
+
+        def undo() -> None:
+            tq.static_blockwise_fp4_fake_quant = original
+            self._kernel_swapped = False
+
+        self._undo.append(undo)
+
+    def run_layer(self, layer: torch.nn.Module, forward_loop: Callable[[torch.nn.Module], None], **_: Any) -> None:
+        if self.layer_pass is None:
+            from ..errors import PipelineError
+
+            raise PipelineError(f"ModelOpt ran the {METHOD} algorithm outside a calibration that set its layer pass")
+        self.layer_pass(layer, forward_loop)
+
+
+def _descriptor(session: Session) -> type:
+    """A ModelOpt calibration mode whose per-layer function is ``session``'s."""
+    from modelopt.torch.opt.config import ModeloptField
+    from modelopt.torch.quantization.config import QuantizeAlgorithmConfig
+    from modelopt.torch.quantization.mode import BaseCalibrateModeDescriptor
+
+    class Config(QuantizeAlgorithmConfig):
+        """fp4prep's recipe steps on each decoder layer, after max calibration."""
+
+        method: Literal["fp4prep"] = ModeloptField("fp4prep")
+
+    class Descriptor(BaseCalibrateModeDescriptor):
+        @property
+        def config_class(self) -> type[QuantizeAlgorithmConfig]:
+            return Config
+
+        _calib_func = session.run_layer
+
+    return Descriptor
+
+
+def _triton_available() -> bool:
+    return importlib.util.find_spec("triton") is not None and torch.cuda.is_available()

@@ -1,0 +1,85 @@
+"""Checks made before any work: can this device take the model one layer at a time, and can the
+disk take the checkpoint? A run that can't finish says so at once, with the numbers, instead of
+failing hours later."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from fp4prep.text import format_bytes
+
+from .device import Compute, available_memory
+from .errors import PipelineError
+from .model import streaming
+from .model.merge import MergedWeights
+from .recipes import Recipe
+
+
+def check_memory(
+    model: Any, weights: MergedWeights, compute: Compute, calibration_tokens: int
+) -> None:
+    layers = streaming.layer_bytes(model, weights, compute.dtype)
+    largest = max(layers)
+    resident = streaming.resident_bytes(model, compute.dtype)
+    hidden = int(model.config.hidden_size)
+    size = torch.empty(0, dtype=compute.dtype).element_size()
+    # ModelOpt keeps one layer's captured inputs and the next layer's while it calibrates.
+    activations = 3 * calibration_tokens * hidden * size
+    # The layer, plus as much again for the quantized copy of each weight and the fused experts.
+    need = resident + 2 * largest + activations
+    free = available_memory(compute.device)
+    if need > free:
+        raise PipelineError(
+            f"this model can't be prepared on {compute.device} even one decoder layer at a time: "
+            f"it needs about {format_bytes(need)} there (its largest layer is {format_bytes(largest)} in "
+            f"{str(compute.dtype).removeprefix('torch.')}, held twice while it is quantized; the "
+            f"embeddings {format_bytes(resident)}; calibration activations {format_bytes(activations)}), and "
+            f"{format_bytes(free)} is free. Run it on a device with more memory"
+        )
+    if compute.cuda:
+        host_free = available_memory(torch.device("cpu"))
+        host_need = 2 * max(layers)
+        if host_need > host_free:
+            raise PipelineError(
+                f"this machine's memory can't stage one decoder layer for {compute.device}: that "
+                f"needs about {format_bytes(host_need)} and {format_bytes(host_free)} is free"
+            )
+
+
+def check_disk(
+    weights: MergedWeights, recipe: Recipe, work_dir: Path, output_dir: Path, hidden: int, calibration_tokens: int
+) -> int:
+    """Refuse when the work and output directories' disks can't take the checkpoint; returns its estimate."""
+    output = recipe.format.checkpoint_bytes({n: weights.source.shape(n) for n in weights.source.names()})
+    # ModelOpt's per-layer checkpoint keeps the next layer's inputs (float32 at most).
+    state = 2 * calibration_tokens * hidden * 4 + (64 << 20)
+    if recipe.mutates_weights:
+        # The changed weights, in BF16, written back as each layer is calibrated; ModelOpt's
+        # per-layer checkpoint holds them too until calibration ends.
+        state += 2 * 2 * sum(weights.numel(n) for n in weights)
+    work, out = _existing(work_dir), _existing(output_dir)
+    # The checkpoint is written in the work directory and moved into place: on the same disk that
+    # is a rename, on another a copy.
+    wanted = [(work_dir, work, output + state)]
+    if out.stat().st_dev != work.stat().st_dev:
+        wanted.append((output_dir, out, output))
+    for directory, existing, need in wanted:
+        free = shutil.disk_usage(existing).free
+        if need > free:
+            raise PipelineError(
+                f"the disk under {directory} has {format_bytes(free)} free, and this checkpoint needs about "
+                f"{format_bytes(need)} there (the {recipe.name} checkpoint is about {format_bytes(output)}): "
+                "free some space or choose another directory"
+            )
+    return output
+
+
+def _existing(path: Path) -> Path:
+    path = path.absolute()
+    while not path.exists():
+        path = path.parent
+    return path

@@ -1,0 +1,288 @@
+"""The one entry point: ``run(config) -> result``, one function per stage.
+
+merge -> calibrate -> quantize -> export -> validate, each stage reporting progress and checking for
+cancellation, with one decoder layer's weights in memory at a time: the merged model is a lazy map
+over the base's files (``model.merge``), read layer by layer by a model whose weights live on the
+meta device (``model.streaming``); ModelOpt calibrates it layer by layer (``calibrate``) and exports
+it shard by shard (``export``); the reference and the checkpoint are both streamed again for
+validation.
+
+What a run has finished is kept in its work directory (``workdir``), so a run that stops continues
+from there. The checkpoint is moved into ``output_dir`` only after it passed validation, so a failed
+or cancelled run leaves nothing half-written there.
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from . import device as device_mod
+from . import preflight
+from .calibrate import Calibrated, calibrate
+from .config import EVAL_FILE, ParityReport, PipelineConfig, PipelineResult, TaskReport
+from .errors import Cancelled, InternalError, PipelineError, UserError
+from .export import export, model_card
+from .inputs import corpus as corpus_mod
+from .model import memory, streaming
+from .model.merge import Adapter, MergedWeights, load_adapter
+from .model.safetensors import TensorSource, directory_bytes, read_config
+from .modelopt_ext import quantizers
+from .modelopt_ext.session import Session
+from .progress import Progress
+from .recipes import Recipe, get_recipe
+from .validation import gate, parity, reader, report, retention, structure
+from .workdir import WorkDir, fingerprint, opened
+
+logger = logging.getLogger(__name__)
+RELOAD_CHECK_TOKENS = 128
+
+
+@dataclass
+class _Run:
+    """One run's inputs and what its stages hand each other."""
+
+    config: PipelineConfig
+    recipe: Recipe
+    progress: Progress
+    work: WorkDir
+    compute: device_mod.Compute
+    session: Session
+    source: TensorSource | None = None
+    adapter: Adapter | None = None
+    merged: MergedWeights | None = None
+    tokenizer: Any = None
+    model: Any = None
+    bf16_bytes: int = 0
+    corpus: corpus_mod.Corpus | None = None
+    calibrated: Calibrated | None = None
+    resumed_from: int | None = None
+    reload_reference: list[torch.Tensor] | None = None
+
+
+def run(config: PipelineConfig) -> PipelineResult:
+    recipe = config.recipe or get_recipe(config.quantization)
+    progress = Progress(config.progress, config.should_cancel)
+    _check_output_dir(config.output_dir)
+    compute = device_mod.resolve(config.device)
+    memory.keep_memory_returnable()
+    progress.check()
+    config.output_dir.parent.mkdir(parents=True, exist_ok=True)
+    torch.manual_seed(config.seed)
+    with opened(config.work_dir, config.output_dir) as work, Session(compute) as session:
+        state = _Run(config, recipe, progress, work, compute, session)
+        try:
+            _merge(state)
+            _calibrate(state)
+            _quantize(state)
+            _export(state)
+            result = _validate(state)
+        except (UserError, PipelineError, Cancelled):
+            raise
+        except Exception as exc:
+            logger.exception("pipeline failed")
+            raise InternalError(f"internal error during {progress.current}: {exc}") from exc
+        shutil.move(str(work.out), str(config.output_dir))
+        if config.work_dir is not None:  # done: nothing is left to resume
+            work.clear()
+    result.output_dir = config.output_dir
+    return result
+
+
+def parity_of(config: PipelineConfig, checkpoint: Path) -> ParityReport:
+    """Parity of an existing ``checkpoint`` with the BF16 merged model of ``config``'s base and
+    adapter, on the held-back examples a run with ``config`` validates on (damage studies, audits)."""
+    examples = _corpus(config, _tokenizer(config.base_dir)).parity
+    compute = device_mod.resolve(config.device)
+    adapter = load_adapter(config.adapter_dir) if config.adapter_dir else None
+    merged = MergedWeights(TensorSource(config.base_dir), adapter, compute.dtype, compute.device)
+    reference = streaming.build(read_config(config.base_dir), merged, compute, config.base_dir)
+    candidate = reader.load(checkpoint, compute)
+    return parity.token_parity(reference, candidate, examples, config.continuation_tokens)
+
+
+def _merge(state: _Run) -> None:
+    """Plan the merge against the base (refusing what can't apply; nothing is merged until a layer's
+    weights are read), build the streamed model, and check that memory and disk suffice."""
+    config, compute = state.config, state.compute
+    with state.progress.stage("merging"):
+        base_config = read_config(config.base_dir)
+        state.source = TensorSource(config.base_dir)
+        state.adapter = load_adapter(config.adapter_dir) if config.adapter_dir else None
+        state.merged = MergedWeights(state.source, state.adapter, compute.dtype, compute.device)
+        state.progress.update(0.5)
+        state.tokenizer = _tokenizer(config.base_dir)
+        state.model = streaming.skeleton(base_config, state.merged, compute, config.base_dir)
+        state.bf16_bytes = 2 * sum(state.merged.numel(n) for n in state.merged)
+        tokens = _total_tokens(config)
+        preflight.check_memory(state.model, state.merged, compute, tokens)
+        hidden = int(state.model.config.hidden_size)
+        preflight.check_disk(state.merged, state.recipe, state.work.root, config.output_dir, hidden, tokens)
+        streaming.attach(state.model, state.merged, compute)
+
+
+def _calibrate(state: _Run) -> None:
+    """The corpus, then the recipe's calibration, layer by layer; or what an earlier run of the
+    same inputs calibrated, from the work directory."""
+    config, work = state.config, state.work
+    with state.progress.stage("calibrating"):
+        state.corpus = _corpus(config, state.tokenizer, state.progress.sub(0.0, 0.1))
+        work.claim(fingerprint(config, state.compute, state.corpus.stats.calibration_sha256))
+        assert state.merged is not None
+        if state.recipe.mutates_weights:
+            state.merged.keep_written(work.written)
+        layers = len(streaming.decoder_layers(state.model)[1])
+        if work.calibrated.is_file():
+            saved = quantizers.restore(state.model, work.calibrated, state.compute)
+            state.calibrated = Calibrated(saved["expert_tokens"], saved.get("fold_factors", {}))
+            state.resumed_from = layers
+            _note(config, f"Resuming: every layer was calibrated by an earlier run ({layers} layers)")
+            return
+        start = work.resume_layer()
+        if start:
+            state.resumed_from = start
+            _note(config, f"Resuming calibration at layer {start + 1} of {layers}: an earlier run finished layers 1-{start}")
+        state.calibrated = calibrate(
+            state.model, state.recipe, state.corpus.sequences, state.compute, state.session,
+            state.progress.sub(0.1, 1.0), work,
+        )
+
+
+def _quantize(state: _Run) -> None:
+    """Fused projections share their global scales, the calibration is saved whole, and the
+    calibrated model's logits on one held-back example are kept for the reload check."""
+    work = state.work
+    assert state.calibrated is not None and state.corpus is not None
+    with state.progress.stage("quantizing"):
+        if not work.calibrated.is_file():
+            quantizers.share_fused_scales(state.model)
+            extra = {"expert_tokens": state.calibrated.expert_tokens, "fold_factors": state.calibrated.factors}
+            quantizers.save(state.model, work.calibrated, extra)
+            work.calibration_done()
+        state.session.use_checkpoint_numerics(state.model)
+        examples = state.corpus.parity[:1]
+        state.reload_reference = [parity.logits(state.model, e.input_ids[:RELOAD_CHECK_TOKENS]) for e in examples]
+
+
+def _export(state: _Run) -> None:
+    with state.progress.stage("exporting"):
+        if not state.work.exported_mark.is_file():
+            shutil.rmtree(state.work.out, ignore_errors=True)
+            export(state.model, state.recipe, state.tokenizer, state.work.out)
+            state.work.exported_mark.touch()
+        state.model = None
+        gc.collect()
+
+
+def _validate(state: _Run) -> PipelineResult:
+    """The checkpoint's files, its independent reload, the adapter's change kept, and its behaviour
+    against the BF16 merged model (and on the adapter's own task); then the quality gate."""
+    config, recipe, compute, out = state.config, state.recipe, state.compute, state.work.out
+    progress = state.progress
+    assert state.corpus is not None and state.calibrated is not None and state.reload_reference is not None
+    with progress.stage("validating"):
+        checks = structure.structure(out, recipe.format, state.bf16_bytes)
+        candidate = reader.load(out, compute)
+        examples = state.corpus.parity[:1]
+        reload_diff = parity.reload_difference(state.reload_reference, candidate, examples)
+        progress.update(0.1)
+        # The BF16 merged model again, read from the base as the calibrated one was: merging is
+        # cheap and deterministic, and a BF16 copy of a large base is not. Not the calibrated
+        # model's map (those weights are the checkpoint's when calibration changed them).
+        assert state.source is not None
+        merged = MergedWeights(state.source, state.adapter, compute.dtype, compute.device)
+        dequantized = reader.DequantizedWeights(out, torch.float32, compute.device)
+        kept = retention.retention(merged, dequantized, state.calibrated.factors) if merged.targets() else None
+        progress.update(0.2)
+        bf16_model = streaming.build(read_config(config.base_dir), merged, compute, config.base_dir)
+        behaviour, task = _behaviour(state, bf16_model, candidate)
+        del bf16_model, candidate
+        missed = gate.misses(config.thresholds or recipe.thresholds, behaviour, reload_diff, kept)
+        if missed and config.quality_gate:
+            raise PipelineError("the checkpoint missed its quality thresholds: " + "; ".join(missed))
+        result = PipelineResult(
+            output_dir=out, quantization=recipe.name, stage_seconds=dict(progress.stage_seconds),
+            bf16_bytes=state.bf16_bytes, output_bytes=directory_bytes(out), corpus=state.corpus.stats,
+            parity=behaviour, reload_max_logit_diff=reload_diff, retention=kept,
+            expert_tokens=state.calibrated.expert_tokens, checks=checks, task=task, device=compute.describe(),
+            quality_misses=missed, resumed_from_layer=state.resumed_from,
+        )
+        result.checks += [f"reload matches the calibrated model (max logit difference {reload_diff:.4f})"]
+        result.checks += report.headline(result.to_dict())
+        model_card.write(out, model_card.lineage(config, recipe, result), result.to_dict())
+    result.stage_seconds = dict(progress.stage_seconds)
+    return result
+
+
+def _behaviour(state: _Run, bf16_model: Any, candidate: Any) -> tuple[ParityReport, TaskReport | None]:
+    """Parity with the BF16 merged model, and the adapter's own task on both, where it has one."""
+    config, progress = state.config, state.progress
+    assert state.corpus is not None
+    eval_file = config.eval_file or _adapter_eval_file(config.adapter_dir)
+    parity_end = 0.6 if eval_file is not None else 1.0
+    behaviour = parity.token_parity(
+        bf16_model, candidate, state.corpus.parity, config.continuation_tokens, progress.sub(0.2, parity_end)
+    )
+    if eval_file is None:
+        return behaviour, None
+    bf16_score, n = parity.task_success(bf16_model, state.tokenizer, eval_file, progress.sub(0.6, 0.8))
+    quant_score, _ = parity.task_success(candidate, state.tokenizer, eval_file, progress.sub(0.8, 1.0))
+    return behaviour, TaskReport(prompts=n, bf16_success=bf16_score, quantized_success=quant_score)
+
+
+def _total_tokens(config: PipelineConfig) -> int:
+    return max(config.calibration_tokens, 2 * config.user_token_minimum)
+
+
+def _corpus(config: PipelineConfig, tokenizer: Any, report: Any = lambda f: None) -> corpus_mod.Corpus:
+    """The calibration sequences and held-back parity examples ``config`` asks for."""
+    return corpus_mod.build(
+        tokenizer,
+        calibration_file=config.calibration_file,
+        general_text_file=config.general_text_file,
+        total_tokens=_total_tokens(config),
+        sequence_length=config.sequence_length,
+        user_token_minimum=config.user_token_minimum,
+        holdout_fraction=config.holdout_fraction,
+        parity_prompts=config.parity_prompts,
+        seed=config.seed,
+        report=report,
+    )
+
+
+def _check_output_dir(path: Path) -> None:
+    if path.exists() and (not path.is_dir() or any(path.iterdir())):
+        raise UserError(f"output directory {path} already exists and is not empty")
+    if path.exists():
+        path.rmdir()
+
+
+def _note(config: PipelineConfig, message: str) -> None:
+    logger.info(message)
+    if config.notify is not None:
+        config.notify(message)
+
+
+def _tokenizer(base_dir: Path) -> Any:
+    from transformers import AutoTokenizer
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(base_dir)
+    except (OSError, ValueError) as exc:
+        raise UserError(f"{base_dir} has no usable tokenizer ({exc})") from None
+    if not tokenizer.chat_template:
+        raise UserError(f"{base_dir} has no chat template: conversations can't be rendered")
+    return tokenizer
+
+
+def _adapter_eval_file(adapter_dir: Path | None) -> Path | None:
+    if adapter_dir is None:
+        return None
+    path = adapter_dir / EVAL_FILE
+    return path if path.is_file() else None

@@ -1,0 +1,292 @@
+"""Behaviour against the BF16 merged model: what the checkpoint says, and where the model answers.
+
+Parity is measured three ways over held-back conversations, teacher-forced: over every token (most
+of which are the user's text, where any two models differ), over the assistant turns only, and
+over the BF16 model's own greedy continuations of each prompt (does the checkpoint pick the token
+the BF16 model picked, on the BF16 model's path); and by decoding, as the share of prompts whose
+greedy continuation is identical. Both models may be streamed one layer at a time: the decoder runs
+once over all sequences and the head is applied in chunks, and decoding runs all prompts together
+so that each generated token costs one pass over the layers.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from ..config import ParityReport
+from ..device import available_memory
+from ..errors import PipelineError
+from ..inputs.corpus import ParityExample
+
+# Teacher-forced parity runs the decoder once over this many tokens at a time (one pass over a
+# streamed model's layers), then applies the output head to at most LOGITS_BYTES of logits at once.
+TOKENS_PER_PASS = 16384
+LOGITS_BYTES = 64 << 20
+# Prompts are decoded together (each decoding step is one pass over a streamed model's layers), as
+# many as keep their KV cache, which grows with the model's depth, within this many bytes on a CPU
+# (small models, compute-bound steps) or a tenth of the free memory of a GPU (large models, whose
+# steps each read the whole model: fewer steps matter most).
+KV_CACHE_BYTES = 128 << 20
+
+
+def _device(model: torch.nn.Module) -> torch.device:
+    return next(model.parameters()).device
+
+
+@torch.no_grad()
+def logits(model: torch.nn.Module, ids: list[int]) -> torch.Tensor:
+    return batch_logits(model, [ids])[0]
+
+
+@torch.no_grad()
+def batch_logits(model: torch.nn.Module, sequences: list[list[int]]) -> list[torch.Tensor]:
+    """Each sequence's logits, [len, vocab] in float32 on the CPU; one forward for the batch."""
+    ids, mask = _padded(sequences, _device(model))
+    out = model(ids, attention_mask=mask, use_cache=False).logits
+    return [out[row, : len(seq)].float().cpu() for row, seq in enumerate(sequences)]
+
+
+def _padded(sequences: list[list[int]], device: torch.device, left: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    width = max(len(s) for s in sequences)
+    ids = torch.zeros(len(sequences), width, dtype=torch.long)
+    mask = torch.zeros(len(sequences), width, dtype=torch.long)
+    for row, seq in enumerate(sequences):
+        place = slice(width - len(seq), width) if left else slice(0, len(seq))
+        ids[row, place] = torch.tensor(seq)
+        mask[row, place] = 1
+    return ids.to(device), mask.to(device)
+
+
+@torch.no_grad()
+def final_hidden_states(model: Any, sequences: list[list[int]]) -> list[torch.Tensor]:
+    """Each sequence's last hidden states (after the final norm), ``[len, hidden]``.
+
+    One run of the decoder per ``TOKENS_PER_PASS`` tokens: on a streamed model that is one read of
+    every layer for the whole set, where computing logits batch by batch would take one per batch.
+    """
+    device = _device(model)
+    decoder = model.get_decoder()
+    states: list[torch.Tensor] = []
+    batch: list[list[int]] = []
+    for i, seq in enumerate(sequences):
+        batch.append(seq)
+        last = i == len(sequences) - 1
+        if last or (len(batch) + 1) * max(len(s) for s in [*batch, sequences[i + 1]]) > TOKENS_PER_PASS:
+            ids, mask = _padded(batch, device)
+            hidden = decoder(input_ids=ids, attention_mask=mask, use_cache=False).last_hidden_state
+            states += [hidden[row, : len(s)] for row, s in enumerate(batch)]
+            batch = []
+    return states
+
+
+@contextlib.contextmanager
+def output_head(model: Any) -> Iterator[Callable[[torch.Tensor], torch.Tensor]]:
+    """The model's output head as a function of final hidden states (logits in float32, on the CPU),
+    its weights held for the duration instead of read again on every call."""
+    from accelerate.utils import align_module_device
+
+    head = model.get_output_embeddings()
+    config = model.config
+    if getattr(config, "final_logit_softcapping", None) or getattr(config, "logit_scale", None):
+        raise PipelineError(f"{type(model).__name__} transforms its logits after the head; parity can't chunk them")
+    with align_module_device(head):
+        yield lambda hidden: torch.nn.functional.linear(hidden, head.weight, head.bias).float().cpu()
+
+
+def _kv_bytes_per_token(model: Any) -> int:
+    config = model.config
+    heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    # MLA models (DeepSeek) cache wider keys than head_dim says; the hidden size bounds them well.
+    width = max(2 * heads * head_dim, 2 * config.hidden_size if hasattr(config, "kv_lora_rank") else 0)
+    return int(config.num_hidden_layers) * width * next(model.parameters()).element_size()
+
+
+def _eos_ids(model: Any) -> set[int]:
+    config = getattr(model, "generation_config", None) or model.config
+    eos = getattr(config, "eos_token_id", None)
+    if eos is None:
+        eos = model.config.eos_token_id
+    return {eos} if isinstance(eos, int) else set(eos or [])
+
+
+@torch.no_grad()
+def greedy(model: Any, prompts: list[list[int]], n: int) -> list[list[int]]:
+    """Each prompt's greedy continuation of ``n`` tokens (through the first end-of-turn token).
+
+    Prompts are decoded together, left-padded, with a KV cache: one pass over the layers per
+    token for the whole batch, which is what makes decoding a streamed model affordable. The head
+    is applied here, to each row's last hidden state, and held for the whole decoding.
+    """
+    device = _device(model)
+    eos = _eos_ids(model)
+    decoder = model.get_decoder()
+    results: list[list[int]] = []
+    per_token = _kv_bytes_per_token(model)
+    budget = KV_CACHE_BYTES
+    if device.type == "cuda":
+        budget = max(budget, available_memory(device) // 10)
+    start = 0
+    with output_head(model) as head, torch.no_grad():
+        while start < len(prompts):
+            chunk = [prompts[start]]
+            while (
+                start + len(chunk) < len(prompts)
+                and (len(chunk) + 1) * (max(map(len, chunk + [prompts[start + len(chunk)]])) + n) * per_token
+                <= budget
+            ):
+                chunk.append(prompts[start + len(chunk)])
+            start += len(chunk)
+            ids, mask = _padded(chunk, device, left=True)
+            positions = (mask.cumsum(-1) - 1).clamp(min=0)
+            out = decoder(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True)
+            steps = []
+            for step in range(n):
+                # A contiguous [batch, hidden]: a strided 3-D slice makes some CPU matmul kernels
+                # expand the whole head per row (gigabytes for a large vocabulary).
+                token = head(out.last_hidden_state[:, -1, :].contiguous()).argmax(-1)
+                steps.append(token)
+                if step == n - 1:
+                    break
+                mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=-1)
+                positions = positions[:, -1:] + 1
+                out = decoder(
+                    input_ids=token[:, None].to(device),
+                    attention_mask=mask,
+                    position_ids=positions,
+                    cache=out.cache,
+                    use_cache=True,
+                )
+            for row in torch.stack(steps, dim=1).tolist() if steps else [[] for _ in chunk]:
+                end = next((i + 1 for i, t in enumerate(row) if t in eos), len(row))
+                results.append(row[:end])
+    return results
+
+
+def reload_difference(
+    reference: list[torch.Tensor], model: torch.nn.Module, examples: list[ParityExample]
+) -> float:
+    worst = 0.0
+    for ref, example in zip(reference, examples, strict=False):
+        got = logits(model, example.input_ids[: ref.shape[0]])
+        worst = max(worst, float((got - ref).abs().max()))
+    return worst
+
+
+@dataclass
+class _Tally:
+    agree: int = 0
+    tokens: int = 0
+    kl: float = 0.0
+
+    def add(self, ref: torch.Tensor, got: torch.Tensor) -> None:
+        self.agree += int((ref.argmax(-1) == got.argmax(-1)).sum())
+        self.tokens += ref.shape[0]
+        self.kl += float(F.kl_div(F.log_softmax(got, -1), F.log_softmax(ref, -1), log_target=True, reduction="sum"))
+
+    @property
+    def top1(self) -> float:
+        return self.agree / self.tokens if self.tokens else 0.0
+
+    @property
+    def mean_kl(self) -> float:
+        return self.kl / self.tokens if self.tokens else 0.0
+
+
+def _positions(length: int, spans: list[tuple[int, int]]) -> torch.Tensor:
+    """The positions whose next-token distribution predicts a token inside ``spans``."""
+    rows = [p - 1 for start, end in spans for p in range(max(start, 1), min(end, length))]
+    return torch.tensor(rows, dtype=torch.long)
+
+
+def token_parity(
+    reference: torch.nn.Module,
+    candidate: torch.nn.Module,
+    examples: list[ParityExample],
+    continuation_tokens: int,
+    report: Callable[[float], None] = lambda f: None,
+) -> ParityReport:
+    prompts = [e.prompt_ids for e in examples]
+    expected = greedy(reference, prompts, continuation_tokens)
+    report(0.3)
+    continued = [p + c for p, c in zip(prompts, expected, strict=True)]
+    sequences = [e.input_ids for e in examples] + continued
+    ref_states = final_hidden_states(reference, sequences)
+    report(0.45)
+    got_states = final_hidden_states(candidate, sequences)
+    report(0.6)
+    n = len(examples)
+    selections: dict[str, list[tuple[int, torch.Tensor]]] = {"whole": [], "answers": [], "continuations": []}
+    for i, e in enumerate(examples):
+        length = len(e.input_ids)
+        selections["whole"].append((i, torch.arange(length - 1)))
+        selections["answers"].append((i, _positions(length, e.answer_spans)))
+    for i, (prompt, tokens) in enumerate(zip(prompts, expected, strict=True)):
+        selections["continuations"].append((n + i, _positions(len(prompt) + len(tokens), [(len(prompt), len(prompt) + len(tokens))])))
+    tallies = {name: _Tally() for name in selections}
+    config: Any = reference.config
+    chunk = max(1, LOGITS_BYTES // (4 * int(config.vocab_size)))
+    with output_head(reference) as reference_head, output_head(candidate) as candidate_head:
+        for name, picks in selections.items():
+            for index, rows in picks:
+                for start in range(0, len(rows), chunk):
+                    part = rows[start : start + chunk]
+                    ref = reference_head(ref_states[index][part.to(ref_states[index].device)])
+                    got = candidate_head(got_states[index][part.to(got_states[index].device)])
+                    tallies[name].add(ref, got)
+    report(0.7)
+    got_continuations = greedy(candidate, prompts, continuation_tokens)
+    report(1.0)
+    identical = sum(a == b for a, b in zip(expected, got_continuations, strict=True))
+    whole, answers, continuations = tallies["whole"], tallies["answers"], tallies["continuations"]
+    return ParityReport(
+        prompts=n,
+        tokens=whole.tokens,
+        top1_agreement=whole.top1,
+        mean_kl=whole.mean_kl,
+        identical_greedy=identical / n,
+        answer_tokens=answers.tokens,
+        answer_top1=answers.top1,
+        answer_kl=answers.mean_kl,
+        continuation_tokens=continuations.tokens,
+        continuation_top1=continuations.top1,
+        continuation_kl=continuations.mean_kl,
+    )
+
+
+def task_success(
+    model: torch.nn.Module,
+    tokenizer: Any,
+    eval_file: Path,
+    report: Callable[[float], None] = lambda f: None,
+    limit: int = 50,
+) -> tuple[float, int]:
+    """Share of an adapter's evaluation prompts answered exactly as expected (greedy).
+
+    ``eval_file`` is JSONL of ``{"messages": [...], "expected": "..."}``; the answer is the
+    generated text up to the end of the turn, stripped.
+    """
+    rows = [json.loads(line) for line in eval_file.read_text().splitlines() if line.strip()][:limit]
+    if not rows:
+        return 0.0, 0
+    prompts, lengths = [], []
+    for row in rows:
+        prompt = tokenizer.apply_chat_template(row["messages"], tokenize=False, add_generation_prompt=True)
+        prompts.append(tokenizer(prompt, add_special_tokens=False)["input_ids"])
+        lengths.append(len(tokenizer(row["expected"], add_special_tokens=False)["input_ids"]) + 2)
+    # Greedy decoding is prefix-consistent: each row's answer is its first ``length`` tokens.
+    continuations = greedy(model, prompts, max(lengths))
+    hits = 0
+    for row, tokens, length in zip(rows, continuations, lengths, strict=True):
+        answer = tokenizer.decode(tokens[:length], skip_special_tokens=True)
+        hits += int(answer.strip() == row["expected"].strip())
+    report(1.0)
+    return hits / len(rows), len(rows)

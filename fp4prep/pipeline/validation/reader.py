@@ -1,0 +1,152 @@
+"""An independent reader of the checkpoints we write: our own decoding, not ModelOpt's.
+
+It dequantizes the safetensors into a dense transformers model, one tensor at a time as each layer
+runs, and, where the format quantizes activations, applies the same activation quantization a
+serving engine applies (from the stored input scales). The model it returns computes what the
+checkpoint describes, so its logits are compared with the calibrated fake-quant model's and, in
+parity, with the BF16 model's.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from functools import cached_property, partial
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..device import Compute
+from ..formats import declared
+from ..formats.numerics import (
+    E4M3_MAX,
+    NVFP4_GLOBAL,
+    dequantize_fp8,
+    dequantize_mxfp4,
+    dequantize_nvfp4,
+    fp8_fake_quant,
+    mxfp4_fake_quant,
+    nvfp4_fake_quant,
+    per_token_fp8_fake_quant,
+)
+from ..model import streaming
+from ..model.lazy import LazyWeights
+from ..model.safetensors import TensorSource, read_config
+
+# An activation quantizer is a function applied to a Linear's input.
+ActivationQuant = Callable[[torch.Tensor], torch.Tensor]
+
+
+def _scalar(t: torch.Tensor) -> float:
+    return float(t.float().reshape(-1)[0])
+
+
+class DequantizedWeights(LazyWeights):
+    """A quantized checkpoint's weights, dense, each dequantized when it is read.
+
+    ``activations`` holds, per quantized module, the activation quantization a serving engine
+    applies to its input (from the stored input scales).
+    """
+
+    def __init__(self, directory: Path, dtype: torch.dtype = torch.bfloat16, device: torch.device | str = "cpu") -> None:
+        self.config = read_config(directory)
+        self.declared = declared(self.config)
+        self.source = TensorSource(directory)
+        names = set(self.source.names())
+        self.quantized = {n[: -len(".weight_scale")] for n in names if n.endswith(".weight_scale")}
+        dense = [n for n in sorted(names) if n.rpartition(".")[0] not in self.quantized]
+        dense += [f"{m}.weight" for m in sorted(self.quantized)]
+        super().__init__(dense, dtype, device)
+
+    @cached_property
+    def activations(self) -> dict[str, ActivationQuant]:
+        names = set(self.source.names())
+        return {m: q for m in sorted(self.quantized) if (q := self._activation_quant(m, names))}
+
+    def stored_shape(self, name: str) -> tuple[int, ...]:
+        module = name.rpartition(".")[0]
+        if module not in self.quantized:
+            return self.source.shape(name)
+        shape = self.source.shape(f"{module}.{self.declared.layout.packed_name}")
+        return (*shape[:-1], shape[-1] * 2) if self.declared.format.e2m1 else shape
+
+    def stored(self, name: str) -> torch.Tensor:
+        module = name.rpartition(".")[0]
+        if module not in self.quantized:
+            return self.source.raw(name).to(self.device, self.dtype)
+        layout, block_scale, source = self.declared.layout, self.declared.format.block_scale, self.source
+        packed = source.raw(f"{module}.{layout.packed_name}").to(self.device)
+        scale = source.raw(f"{module}.weight_scale").to(self.device)
+        if block_scale == "e4m3":
+            g_name = "weight_global_scale" if layout.reciprocal_globals else "weight_scale_2"
+            g = _scalar(source.raw(f"{module}.{g_name}"))
+            weight = dequantize_nvfp4(packed, scale, 1.0 / g if layout.reciprocal_globals else g)
+        elif block_scale == "e8m0":
+            weight = dequantize_mxfp4(packed, scale)
+        else:
+            weight = dequantize_fp8(packed, scale)
+        return weight.to(self.dtype)
+
+    def _activation_quant(self, module: str, names: set[str]) -> ActivationQuant | None:
+        fmt, layout, source = self.declared.format, self.declared.layout, self.source
+        if fmt.block_scale == "e4m3":
+            i_name = "input_global_scale" if layout.reciprocal_globals else "input_scale"
+            if f"{module}.{i_name}" not in names:
+                return None
+            s = _scalar(source.raw(f"{module}.{i_name}"))
+            amax = torch.tensor(NVFP4_GLOBAL / s if layout.reciprocal_globals else NVFP4_GLOBAL * s)
+            return partial(nvfp4_fake_quant, block_size=fmt.block_size, global_amax=amax)
+        if fmt.block_scale == "e8m0":
+            return partial(mxfp4_fake_quant, block_size=fmt.block_size) if self.declared.dynamic_inputs else None
+        if self.declared.dynamic_inputs:
+            return per_token_fp8_fake_quant
+        if f"{module}.input_scale" in names:
+            amax = source.raw(f"{module}.input_scale").float() * E4M3_MAX
+            return partial(fp8_fake_quant, amax=amax)
+        return None
+
+
+def _identity(x: torch.Tensor) -> torch.Tensor:
+    return x
+
+
+def _quantized_experts_forward(
+    experts: Any, gate_up_quant: list[ActivationQuant], down_quant: list[ActivationQuant]
+) -> Callable[..., torch.Tensor]:
+    """transformers' fused-experts loop with each expert's input quantization, as engines run it."""
+
+    def forward(hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
+        out = torch.zeros_like(hidden)
+        for e in range(experts.gate_up_proj.shape[0]):
+            token_idx, slot = torch.where(top_k_index == e)
+            if token_idx.numel() == 0:
+                continue
+            x = gate_up_quant[e](hidden[token_idx])
+            gate, up = torch.nn.functional.linear(x, experts.gate_up_proj[e]).chunk(2, dim=-1)
+            h = down_quant[e](experts.act_fn(gate) * up)
+            y = torch.nn.functional.linear(h, experts.down_proj[e]) * top_k_weights[token_idx, slot, None]
+            out.index_add_(0, token_idx, y.to(out.dtype))
+        return out
+
+    return forward
+
+
+def load(directory: Path, compute: Compute, quantize_activations: bool = True) -> torch.nn.Module:
+    """The checkpoint as a model that computes what a serving engine computes, one layer at a time."""
+    weights = DequantizedWeights(directory, compute.dtype, compute.device)
+    activations = weights.activations if quantize_activations else {}
+
+    def engine_numerics(model: torch.nn.Module) -> None:
+        for name, module in model.named_modules():
+            if name in activations:
+                module.register_forward_pre_hook(
+                    lambda m, args, q=activations[name]: (q(args[0]),) + tuple(args[1:])
+                )
+            gate_up = getattr(module, "gate_up_proj", None)
+            if activations and isinstance(gate_up, torch.Tensor) and gate_up.dim() == 3:
+                n = gate_up.shape[0]
+                gu = [activations.get(f"{name}.{e}.gate_proj", _identity) for e in range(n)]
+                down = [activations.get(f"{name}.{e}.down_proj", _identity) for e in range(n)]
+                module.forward = _quantized_experts_forward(module, gu, down)
+
+    return streaming.build(weights.config, weights, compute, directory, before_hooks=engine_numerics)

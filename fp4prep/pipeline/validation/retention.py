@@ -1,0 +1,50 @@
+"""How much of the adapter's change survived quantization, tensor by tensor."""
+
+from __future__ import annotations
+
+import statistics
+
+import torch
+
+from ..algorithms.fold import Factors
+from ..config import RetentionReport
+from ..model.merge import MergedWeights
+from .reader import DequantizedWeights
+
+
+def retention(
+    merged: MergedWeights, dequantized: DequantizedWeights, factors: Factors | None = None
+) -> RetentionReport | None:
+    """Least-squares coefficient of (dequantized - base) on (merged - base), per changed tensor.
+
+    About 1 when the adapter's change survived quantization, near 0 when it snapped back to the
+    base (as it does when an adapter is merged into weights already in FP4). One tensor at a time.
+    ``factors`` undoes what folding AWQ's scales did to a stored weight (``algorithms.fold``).
+    """
+    per_tensor: dict[str, float] = {}
+    num = den = 0.0
+    for name in merged.targets():
+        if name not in dequantized:
+            continue
+        b = merged.source.get(name, torch.float32, merged.device)
+        delta = merged.merged(name).float() - b
+        dd = float((delta * delta).sum())
+        if dd == 0.0:
+            continue
+        stored = dequantized.stored(name).to(b.device, torch.float32)
+        folded = (factors or {}).get(name, {})
+        if "in_scale" in folded:
+            stored = stored * folded["in_scale"].to(b.device).reshape(1, -1)
+        if "out_scale" in folded:
+            stored = stored / folded["out_scale"].to(b.device).reshape(-1, 1)
+        change = stored - b
+        dc = float((delta * change).sum())
+        per_tensor[name] = dc / dd
+        num += dc
+        den += dd
+    if not per_tensor:
+        return None
+    values = list(per_tensor.values())
+    return RetentionReport(
+        pooled=num / den, minimum=min(values), median=statistics.median(values), per_tensor=per_tensor
+    )

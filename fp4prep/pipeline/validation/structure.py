@@ -1,0 +1,108 @@
+"""The checkpoint's files checked on their own: the declared format written, every quantized
+tensor present with finite non-zero scales, fused groups sharing one global scale, everything left
+in BF16 declared so, and the size the format gives its tensors."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..errors import PipelineError
+from ..formats import Format, declared
+from ..model.safetensors import TensorSource, directory_bytes, read_config
+
+_FUSED_GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
+
+
+def structure(directory: Path, fmt: Format, bf16_bytes: int) -> list[str]:
+    """Checks on the files alone; raises PipelineError naming the first problem."""
+    config = read_config(directory)
+    found = declared(config)
+    if found.format != fmt:
+        raise PipelineError(f"the checkpoint declares {found.format.name}, the recipe is {fmt.name}")
+    source = TensorSource(directory)
+    names = set(source.names())
+    quantized = sorted(n[: -len(".weight_scale")] for n in names if n.endswith(".weight_scale"))
+    if not quantized:
+        raise PipelineError("the checkpoint holds no quantized tensors")
+    checks = [f"format {fmt.name} declared and written ({len(quantized)} quantized modules)"]
+    globals_ = {m: g for m in quantized if (g := _check_module(source, names, m, fmt, found.layout.packed_name)) is not None}
+    if globals_:
+        checks.append(_check_fused_globals(globals_))
+    checks.append(_check_exclusions(source, names, set(quantized), _excluded(config)))
+    dense = {n: source.shape(n) for n in names if n.rpartition(".")[0] not in quantized}
+    for module in quantized:
+        shape = source.shape(f"{module}.{found.layout.packed_name}")
+        dense[f"{module}.weight"] = (*shape[:-1], shape[-1] * 2) if fmt.e2m1 else shape
+    written, expected = directory_bytes(directory), fmt.checkpoint_bytes(dense)
+    if not 0.9 * expected <= written <= 1.1 * expected + (4 << 20):
+        raise PipelineError(f"checkpoint is {written:,} bytes, expected about {expected:,}")
+    checks.append(f"size {written:,} bytes ({written / bf16_bytes:.2f}x the BF16 merged model)")
+    return checks
+
+
+def _check_module(source: TensorSource, names: set[str], module: str, fmt: Format, packed_name: str) -> float | None:
+    """One quantized module's tensors; its global weight scale where the format has one."""
+    packed = source.raw(f"{module}.{packed_name}")
+    scale = source.raw(f"{module}.weight_scale")
+    if fmt.e2m1:
+        if packed.dtype != torch.uint8:
+            raise PipelineError(f"{module}: FP4 weights stored as {packed.dtype}, not packed uint8")
+        if scale.shape[-1] * (fmt.block_size or 1) != packed.shape[-1] * 2:
+            raise PipelineError(f"{module}: {scale.shape[-1]} block scales for {packed.shape[-1] * 2} values")
+    elif packed.dtype != torch.float8_e4m3fn:
+        raise PipelineError(f"{module}: FP8 weights stored as {packed.dtype}")
+    if fmt.block_scale == "e8m0":
+        if torch.any(scale == 255):
+            raise PipelineError(f"{module}: an E8M0 scale is NaN (255)")
+    elif not torch.isfinite(scale.float()).all() or torch.any(scale.float() == 0):
+        raise PipelineError(f"{module}: scales must be finite and non-zero")
+    if fmt.block_scale != "e4m3":
+        return None
+    for leaf in ("weight_scale_2", "input_scale") if fmt.activations_quantized else ("weight_scale_2",):
+        key = f"{module}.{leaf}"
+        if key not in names:
+            raise PipelineError(f"{module}: {leaf} is missing")
+        value = float(source.raw(key).float().reshape(-1)[0])
+        if not (value > 0 and value < float("inf")):
+            raise PipelineError(f"{module}: {leaf} is {value}")
+    return float(source.raw(f"{module}.weight_scale_2").float())
+
+
+def _check_exclusions(source: TensorSource, names: set[str], quantized: set[str], excluded: list[str]) -> str:
+    for module in quantized:
+        if any(re.fullmatch(p, module) for p in excluded):
+            raise PipelineError(f"{module} is quantized but listed as excluded")
+    for name in names:
+        module = name.removesuffix(".weight")
+        matrix = name.endswith(".weight") and module not in quantized and len(source.shape(name)) == 2
+        if matrix and not any(re.fullmatch(p, module) for p in excluded):
+            raise PipelineError(f"{module} is left in BF16 but not listed as excluded")
+    return f"every other 2-D weight is listed as excluded ({len(excluded)} patterns)"
+
+
+def _excluded(config: dict[str, Any]) -> list[str]:
+    qc = config.get("quantization_config") or {}
+    patterns = []
+    for p in qc.get("ignore") or qc.get("exclude_modules") or []:
+        patterns.append(p[3:] if p.startswith("re:") else re.escape(p).replace(r"\*", ".*"))
+    return patterns
+
+
+def _check_fused_globals(globals_: dict[str, float]) -> str:
+    shared = 0
+    for module in globals_:
+        parent, _, leaf = module.rpartition(".")
+        for group in _FUSED_GROUPS:
+            if leaf == group[0]:
+                values = {g: globals_.get(f"{parent}.{g}") for g in group}
+                present = {g: v for g, v in values.items() if v is not None}
+                if len(set(present.values())) > 1:
+                    raise PipelineError(
+                        f"{parent}: fused {'/'.join(group)} have different global scales {present}"
+                    )
+                shared += 1
+    return f"fused groups share one global scale ({shared} groups)"
