@@ -20,9 +20,15 @@ TARGETS = ["q_proj", "v_proj", "down_proj"]
 
 
 def merged_state(base: Path, adapter: Path) -> tuple[dict[str, torch.Tensor], list[str]]:
+    """The whole base with the adapter merged as the pipeline merges each tensor, and what changed."""
     state = dict(TensorSource(base).items())
-    changed = merge.merge(state, merge.load_adapter(adapter))
-    return state, changed
+    loaded = merge.load_adapter(adapter)
+    updates, replacements = merge.plan(loaded, {k: tuple(v.shape) for k, v in state.items()})
+    for update in updates:
+        state[update.target] = update.apply(state[update.target])
+    for name, stored in replacements.items():
+        state[name] = loaded.read(stored).to(state[name].dtype)
+    return state, sorted({u.target for u in updates} | set(replacements))
 
 
 def reference_merge(base: Path, adapter: Path, name: str) -> torch.Tensor:

@@ -42,14 +42,15 @@ class Compiled(Generic[R]):
         wanted = os.environ.get("FP4PREP_COMPILE", "1") != "0"
         if not (wanted and self.available) or x.device.type != "cpu" or x.numel() < self.min_values:
             return self.eager(x, *args, **kwargs)
-        if self._compiled is None:
-            import torch._inductor.config
+        import torch._inductor.config
 
-            # Compiled in this process: no pool of compiler processes beside a busy worker.
-            torch._inductor.config.compile_threads = 1
+        if self._compiled is None:
             self._compiled = torch.compile(self.eager, dynamic=True)
         try:
-            return self._compiled(x, *args, **kwargs)
+            # Compiled in this process (no pool of compiler processes beside a busy worker), with
+            # torch's own setting left as it was.
+            with torch._inductor.config.patch(compile_threads=1):
+                return self._compiled(x, *args, **kwargs)
         except Exception as exc:  # noqa: BLE001 - any compiler failure: the eager path is correct
             self.available = False
             logger.warning("compiled quantization unavailable (%s); running %s in eager torch", exc, self.eager.__name__)

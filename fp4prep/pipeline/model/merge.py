@@ -67,7 +67,7 @@ class LoraUpdate:
     def apply(self, weight: torch.Tensor) -> torch.Tensor:
         """``weight`` with the change added in fp32 and rounded once to ``weight``'s dtype.
 
-        Computed where ``weight`` is (on the GPU when it is there), in one fused multiply-add.
+        Computed where ``weight`` is (on the GPU when it is there), in one multiply-add (addmm).
         """
         left, right = self.factors(weight.device)
         merged = weight.to(torch.float32, copy=True)
@@ -116,20 +116,6 @@ def plan(adapter: Adapter, base_shapes: dict[str, tuple[int, ...]]) -> tuple[lis
             "it was saved before training updated it"
         )
     return updates, replacements
-
-
-def merge(state_dict: dict[str, torch.Tensor], adapter: Adapter) -> list[str]:
-    """Apply the adapter to a whole ``state_dict`` in place; returns the names of the changed tensors.
-
-    For small models and comparisons; the pipeline merges one tensor at a time (``MergedWeights``).
-    """
-    shapes = {k: tuple(v.shape) for k, v in state_dict.items()}
-    updates, replacements = plan(adapter, shapes)
-    for update in updates:
-        state_dict[update.target] = update.apply(state_dict[update.target])
-    for name, stored in replacements.items():
-        state_dict[name] = adapter.read(stored).to(state_dict[name].dtype)
-    return sorted({u.target for u in updates} | set(replacements))
 
 
 class MergedWeights(LazyWeights):

@@ -113,7 +113,7 @@ def _identity(x: torch.Tensor) -> torch.Tensor:
 def _quantized_experts_forward(
     experts: Any, gate_up_quant: list[ActivationQuant], down_quant: list[ActivationQuant]
 ) -> Callable[..., torch.Tensor]:
-    """transformers' fused-experts loop with each expert's input quantization, as engines run it."""
+    """transformers' loop over stacked experts with each expert's input quantization, as engines run it."""
 
     def forward(hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
         out = torch.zeros_like(hidden)
