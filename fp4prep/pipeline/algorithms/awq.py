@@ -15,8 +15,9 @@ the norm before q/k/v or gate/up (one scale for the whole group), or ``up_proj``
   activations quantized as the checkpoint and the engine do (the numerics the independent reader
   is checked against), and no scale at all is kept where none beats that.
 
-Each expert's ``down_proj`` folds into its own ``up_proj``; routed experts' gate/up (their norm
-feeds every expert) keep max calibration, never searched. Plain per-layer maths: ``fold_groups``
+A shared expert's ``down_proj`` folds into its own ``up_proj`` like a dense MLP's. Routed experts,
+which transformers stacks in one module per layer (not Linear layers), are not searched and keep
+max calibration. Plain per-layer maths: ``fold_groups``
 finds a layer's groups, ``Group.observe`` gathers their inputs in the calibration pass, and
 ``search_and_apply`` gives each group its best scale as a ModelOpt ``pre_quant_scale``.
 """
