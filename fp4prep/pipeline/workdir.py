@@ -86,8 +86,11 @@ def fingerprint(config: PipelineConfig, compute: Compute, calibration_sha256: st
     """What a run's state depends on: a run whose fingerprint differs starts afresh."""
     import fp4prep
 
+    from .formats.engine import VLLM_VERSION
+
     return {
         "fp4prep": fp4prep.__version__,
+        "activation_arithmetic": f"vLLM {VLLM_VERSION}",  # what calibration's quantized inputs follow
         "base": str(config.base_dir.resolve()),
         "adapter": str(config.adapter_dir.resolve()) if config.adapter_dir else None,
         "calibration_sha256": calibration_sha256,

@@ -31,6 +31,31 @@ def tensors(directory: Path) -> dict[str, torch.Tensor]:
     return out
 
 
+def expect_what_vllm_creates(quantization: str, t: dict[str, torch.Tensor], module: str) -> None:
+    """The tensors vLLM 0.33.0 creates for a quantized linear layer and loads from the checkpoint,
+    dtype and shape, as its code reads: ModelOpt NVFP4 ``KNvfp4Static``/``KNvfp4Dynamic`` and FP8
+    ``KFp8StaticChannel`` in vllm/model_executor/layers/quantization/modelopt.py (a per-tensor scale
+    is one value per fused shard); compressed-tensors MXFP4 ``CompressedTensorsW4A4Mxfp4`` in
+    .../compressed_tensors/schemes/compressed_tensors_w4a4_mxfp4.py."""
+    n, k = t[f"{module}.weight_scale"].shape[0], None
+    if quantization == "nvfp4":
+        k = t[f"{module}.weight"].shape[1] * 2
+        assert t[f"{module}.weight"].dtype == torch.uint8 and t[f"{module}.weight"].shape == (n, k // 2)
+        assert t[f"{module}.weight_scale"].dtype == torch.float8_e4m3fn
+        assert t[f"{module}.weight_scale"].shape == (n, k // 16)
+        for leaf in ("weight_scale_2", "input_scale"):
+            assert t[f"{module}.{leaf}"].dtype == torch.float32 and t[f"{module}.{leaf}"].numel() == 1
+    elif quantization == "mxfp4":
+        k = t[f"{module}.weight_packed"].shape[1] * 2
+        assert t[f"{module}.weight_packed"].dtype == torch.uint8
+        assert t[f"{module}.weight_scale"].dtype == torch.uint8 and t[f"{module}.weight_scale"].shape == (n, k // 32)
+        assert f"{module}.weight" not in t and f"{module}.input_global_scale" not in t
+    else:
+        assert t[f"{module}.weight"].dtype == torch.float8_e4m3fn and t[f"{module}.weight"].shape[0] == n
+        assert t[f"{module}.weight_scale"].dtype == torch.float32 and t[f"{module}.weight_scale"].shape == (n,)
+        assert f"{module}.input_scale" not in t  # per-token: the engine computes it
+
+
 @pytest.mark.parametrize("quantization", list(FORMATS))
 def test_it_prepares_a_checkpoint_engines_load_as_is(
     llama_base: Path, calibration_file: Path, tmp_path: Path, quantization: str
@@ -50,21 +75,26 @@ def test_it_prepares_a_checkpoint_engines_load_as_is(
     assert "chat_template.jinja" in files or "chat_template" in (out / "tokenizer_config.json").read_text()
 
     t = tensors(out)
-    q = "model.layers.0.self_attn.q_proj"
-    if quantization == "nvfp4":
-        assert t[f"{q}.weight"].dtype == torch.uint8 and t[f"{q}.weight"].shape == (64, 32)
-        assert t[f"{q}.weight_scale"].dtype == torch.float8_e4m3fn and t[f"{q}.weight_scale"].shape == (64, 4)
-        assert t[f"{q}.input_scale"].shape == () and t[f"{q}.weight_scale_2"].shape == ()
-        shared = {
-            float(t[f"model.layers.0.self_attn.{p}.weight_scale_2"]) for p in ("q_proj", "k_proj", "v_proj")
-        }
-        assert len(shared) == 1
-    elif quantization == "mxfp4":
-        assert t[f"{q}.weight_packed"].dtype == torch.uint8 and t[f"{q}.weight_packed"].shape == (64, 32)
-        assert t[f"{q}.weight_scale"].dtype == torch.uint8 and t[f"{q}.weight_scale"].shape == (64, 2)
-        assert f"{q}.weight" not in t
+    quantized = sorted({k.rpartition(".")[0] for k in t if k.endswith(".weight_scale")})
+    assert len(quantized) == 14  # 2 layers x q, k, v, o, gate, up, down
+    for module in quantized:
+        expect_what_vllm_creates(quantization, t, module)
+    for parent in {m.rpartition(".")[0] for m in quantized}:
+        for group in (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj")):
+            for leaf in ("weight_scale_2", "input_scale", "weight_global_scale"):
+                # vLLM runs a fused group as one GEMM with the largest of its global scales (and
+                # warns when they differ): they must be equal.
+                values = {float(t[f"{parent}.{g}.{leaf}"]) for g in group if f"{parent}.{g}.{leaf}" in t}
+                assert len(values) <= 1, (parent, group, leaf, values)
+    if quantization != "mxfp4":
+        qc = config["quantization_config"]
+        assert isinstance(qc.get("ignore", qc.get("exclude_modules")), list)
+        assert qc.get("group_size") == (16 if quantization == "nvfp4" else None)
     else:
-        assert t[f"{q}.weight"].dtype == torch.float8_e4m3fn and t[f"{q}.weight_scale"].shape == (64,)
+        (group,) = config["quantization_config"]["config_groups"].values()
+        assert group["weights"] | {"observer": None} == group["weights"] | {
+            "num_bits": 4, "type": "float", "strategy": "group", "group_size": 32, "symmetric": True, "observer": None}
+        assert group["input_activations"] is None
     # lm_head, embeddings and norms stay BF16, with no scale tensors beside them.
     for name in ("lm_head.weight", "model.embed_tokens.weight", "model.norm.weight"):
         assert t[name].dtype == torch.bfloat16

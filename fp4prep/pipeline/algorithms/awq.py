@@ -33,6 +33,7 @@ import torch
 
 from ..errors import PipelineError
 from ..formats import of_quantizer
+from ..formats.engine import nvfp4_activations, nvfp4_global_scale_of
 from ..formats.numerics import mxfp4_fake_quant, nvfp4_fake_quant
 from .fold import NORM_GROUPS, row_target
 
@@ -152,7 +153,7 @@ class _Prepared:
 def _prepare(group: Group, alphas: list[float], scored_tokens: int) -> _Prepared:
     first = group.members[0][1]
     quantize_weight, block = engine_quantize(first.weight_quantizer)
-    quantize_input, _ = engine_quantize(first.input_quantizer)
+    quantize_input, _ = engine_quantize(first.input_quantizer, inputs=True)
     assert quantize_weight is not None and group.abs_sum is not None and group.amax is not None
     # Scored in the dtype the layer computes in (BF16 on GPUs and CPUs that multiply it natively):
     # rounding the outputs there moves every candidate's error alike.
@@ -193,10 +194,11 @@ def _score(group: Group, prepared: _Prepared, x: torch.Tensor) -> None:
         group.losses[name] += float(error.float().pow(2).sum())
 
 
-def engine_quantize(quantizer: Any) -> tuple[Quantize | None, int]:
-    """What an E2M1 block ``quantizer`` does to a tensor, in the checkpoint's arithmetic (dynamic
-    per-block scales, the global amax given), and its block size; ``None`` when it is disabled
-    (activations an engine leaves in BF16). For scales the quantizer was not calibrated with."""
+def engine_quantize(quantizer: Any, inputs: bool = False) -> tuple[Quantize | None, int]:
+    """What an E2M1 block ``quantizer`` does to a tensor, in the checkpoint's arithmetic for weights
+    and the engine's for ``inputs`` (dynamic per-block scales, the global amax given), and its block
+    size; ``None`` when it is disabled (activations an engine leaves in BF16). For scales the
+    quantizer was not calibrated with."""
     block_sizes = dict(quantizer.block_sizes or {})
     block = int(block_sizes.get(-1) or 16)
     if not quantizer.is_enabled:
@@ -206,4 +208,6 @@ def engine_quantize(quantizer: Any) -> tuple[Quantize | None, int]:
         raise PipelineError(f"only E2M1 block formats can be searched, not num_bits={quantizer.num_bits} {block_sizes}")
     if fmt.block_scale == "e8m0":
         return (lambda x, _amax: mxfp4_fake_quant(x, block)), block
+    if inputs:
+        return (lambda x, amax: nvfp4_activations(x, nvfp4_global_scale_of(amax), block)), block
     return (lambda x, amax: nvfp4_fake_quant(x, block, amax)), block

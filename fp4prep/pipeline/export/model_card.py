@@ -8,11 +8,37 @@ from pathlib import Path
 from typing import Any
 
 from ..config import PipelineConfig, PipelineResult
+from ..formats.engine import VLLM_VERSION
 from ..recipes import Recipe
 from ..validation import report
 from .versions import tool_versions
 
 LINEAGE_FILE = "fp4prep.json"
+
+# How each format is served, as far as fp4prep has checked it against the engine's code (vLLM
+# 0.33.0's loaders and its activation arithmetic, which parity follows). transformers itself loads
+# none of these layouts ("Unknown quantization type, got modelopt").
+SERVING = {
+    "nvfp4": [
+        "vLLM reads this layout (ModelOpt's unified checkpoint, `quant_algo: NVFP4`) as it is:",
+        "`vllm serve <this directory>`. Weights and activations are FP4 (W4A4); the parity above was",
+        "measured with each layer's input quantized exactly as vLLM 0.33 quantizes it.",
+        "TensorRT-LLM (`trtllm-serve`) and SGLang (`--quantization modelopt_fp4`) read ModelOpt's",
+        "layout too; fp4prep has not checked their loaders.",
+    ],
+    "mxfp4": [
+        "vLLM reads this layout (compressed-tensors, `mxfp4-pack-quantized`) as it is:",
+        "`vllm serve <this directory>`. The checkpoint is weights-only; vLLM runs it so on Hopper",
+        "(Marlin, BF16 activations), which the parity above measures. On Blackwell with FlashInfer",
+        "vLLM 0.33 quantizes the activations to MXFP4 too, which this report does not measure.",
+    ],
+    "fp8": [
+        "vLLM reads this layout (ModelOpt's unified checkpoint, `quant_algo: FP8_PER_CHANNEL_PER_TOKEN`)",
+        "as it is: `vllm serve <this directory>`; per-channel FP8 weights, activations quantized per",
+        "token exactly as the parity above measured them. TensorRT-LLM reads this layout too; SGLang's",
+        "ModelOpt FP8 path expects per-tensor weight scales and is not known to load it.",
+    ],
+}
 
 
 def lineage(config: PipelineConfig, recipe: Recipe, result: PipelineResult) -> dict[str, Any]:
@@ -30,6 +56,8 @@ def lineage(config: PipelineConfig, recipe: Recipe, result: PipelineResult) -> d
             "calibration": recipe.calibration,
             "quant_algo": recipe.format.declared,
             "layout": recipe.format.layout.name,
+            # How calibration, the AWQ search and parity quantized each layer's input.
+            "activation_arithmetic": f"vLLM {VLLM_VERSION}" if recipe.format.activations_quantized else None,
             "calibration_tokens": result.corpus.user_tokens + result.corpus.general_tokens,
             "sequence_length": config.sequence_length,
         },
@@ -51,8 +79,7 @@ def write(output_dir: Path, lineage: dict[str, Any], result: dict[str, Any]) -> 
     recipe = lineage["recipe"]
     lines = [
         "---",
-        "library_name: transformers",
-        f"tags: [fp4prep, {recipe['name']}, quantized]",
+        f"tags: [fp4prep, {recipe['name']}, quantized, {recipe['layout']}]",
         "---",
         f"# {lineage.get('name') or 'Prepared model'} ({recipe['quant_algo']})",
         "",
@@ -69,6 +96,10 @@ def write(output_dir: Path, lineage: dict[str, Any], result: dict[str, Any]) -> 
         "## Measured against the BF16 merged model",
         "",
         *report.markdown(report.figures(result)),
+        "",
+        "## Serving",
+        "",
+        *SERVING.get(recipe["name"], []),
         "",
         "Tool versions: " + ", ".join(f"{k} {v}" for k, v in lineage.get("tools", {}).items()),
         "",

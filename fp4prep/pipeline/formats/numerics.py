@@ -132,11 +132,6 @@ def fp8_fake_quant(x: torch.Tensor, amax: torch.Tensor) -> torch.Tensor:
     return (q.float() * scale).to(x.dtype)
 
 
-def per_token_fp8_fake_quant(x: torch.Tensor) -> torch.Tensor:
-    """Dynamic per-token FP8, as engines quantize activations for FP8_PER_CHANNEL_PER_TOKEN."""
-    return fp8_fake_quant(x, x.detach().abs().amax(dim=-1, keepdim=True))
-
-
 # --- the stored form -------------------------------------------------------------------------------
 
 E2M1_LUT = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0])

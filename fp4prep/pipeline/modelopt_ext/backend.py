@@ -5,8 +5,12 @@ registered functional backend instead (``QuantizerAttributeConfig.backend``); ``
 computing with ``formats.numerics``, the arithmetic the exported checkpoint holds. FP8 goes through
 it too, so that its rounding is the export's (divide by ``amax / 448``), not the eager path's.
 
-A backend object belongs to one run (``Session`` registers it and takes it away again): it keeps the
-last few quantizations it made, for the projections that read one input.
+Input quantizers name another backend, ``InputBackend``: a layer's input is quantized as the serving
+engine quantizes it (``formats.engine``), since no checkpoint stores activations and the engine's
+arithmetic is the one that will run.
+
+Backend objects belong to one run (``Session`` registers them and takes them away again): the input
+backend keeps the last few quantizations it made, for the projections that read one input.
 """
 
 from __future__ import annotations
@@ -15,12 +19,14 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ..formats.numerics import fp8_fake_quant, mxfp4_fake_quant, nvfp4_fake_quant, per_token_fp8_fake_quant
+from ..formats.engine import fp8_per_token_activations, nvfp4_activations, nvfp4_global_scale_of
+from ..formats.numerics import fp8_fake_quant, mxfp4_fake_quant, nvfp4_fake_quant
 
 if TYPE_CHECKING:
     from modelopt.torch.quantization.nn import TensorQuantizer
 
 NAME = "fp4prep_cpu"
+INPUTS = "fp4prep_engine_inputs"
 
 
 def handles(num_bits: object) -> bool:
@@ -29,43 +35,67 @@ def handles(num_bits: object) -> bool:
 
 
 class CpuBackend:
-    """The entry point ModelOpt calls from ``TensorQuantizer._fake_quantize``, with its cache."""
+    """Weights (and any quantizer not an input's): the checkpoint's arithmetic."""
+
+    def __call__(self, inputs: torch.Tensor, quantizer: TensorQuantizer) -> torch.Tensor:
+        _check(quantizer)
+        if tuple(quantizer.num_bits) == (4, 3):
+            amax = getattr(quantizer, "_amax", None)
+            if amax is None:
+                amax = inputs.detach().abs().amax()
+            return fp8_fake_quant(inputs, amax.to(inputs.device))
+        block_size, scale_bits = _blocks(quantizer, inputs)
+        if scale_bits == (8, 0):
+            return mxfp4_fake_quant(inputs, block_size)
+        amax = quantizer.amax
+        if amax is None:
+            amax = inputs.detach().abs().amax()
+        return nvfp4_fake_quant(inputs, block_size, amax.to(inputs.device))
+
+
+class InputBackend:
+    """Input quantizers: the engine's arithmetic, with a cache of the last few NVFP4 results."""
 
     def __init__(self) -> None:
         self.recent = _Recent()
 
     def __call__(self, inputs: torch.Tensor, quantizer: TensorQuantizer) -> torch.Tensor:
-        block_sizes = quantizer.block_sizes or {}
-        if not handles(quantizer.num_bits):
-            raise NotImplementedError(
-                f"the CPU backend handles E2M1 block formats and E4M3, not num_bits={quantizer.num_bits}"
-            )
+        _check(quantizer)
         if tuple(quantizer.num_bits) == (4, 3):
             amax = getattr(quantizer, "_amax", None)
             if amax is not None:
                 return fp8_fake_quant(inputs, amax.to(inputs.device))
-            if quantizer.axis is None and not block_sizes:
-                return fp8_fake_quant(inputs, inputs.detach().abs().amax())
-            # Dynamic with an axis (ModelOpt turns block_sizes {-1: None} into one): per token.
-            return per_token_fp8_fake_quant(inputs)
-        block_size = block_sizes.get(-1) or block_sizes.get(inputs.dim() - 1)
-        scale_bits = tuple(block_sizes.get("scale_bits") or ())
-        if not block_size:
-            raise NotImplementedError("the CPU backend handles E2M1 only in blocks")
+            # Dynamic (ModelOpt turns per-token block_sizes {-1: None} into an axis): per token.
+            return fp8_per_token_activations(inputs)
+        block_size, scale_bits = _blocks(quantizer, inputs)
         if scale_bits == (8, 0):
             return mxfp4_fake_quant(inputs, block_size)
-        if scale_bits == (4, 3):
-            amax = quantizer.amax
-            if amax is None:
-                amax = inputs.detach().abs().amax()
-            return self.recent.get_or_make(inputs, block_size, amax.to(inputs.device))
-        raise NotImplementedError(f"unsupported scale_bits={scale_bits} for the CPU backend")
+        amax = quantizer.amax
+        if amax is None:
+            amax = inputs.detach().abs().amax()
+        return self.recent.get_or_make(inputs, block_size, nvfp4_global_scale_of(amax.to(inputs.device)))
+
+
+def _check(quantizer: TensorQuantizer) -> None:
+    if not handles(quantizer.num_bits):
+        raise NotImplementedError(f"fp4prep's backends handle E2M1 block formats and E4M3, not num_bits={quantizer.num_bits}")
+
+
+def _blocks(quantizer: TensorQuantizer, inputs: torch.Tensor) -> tuple[int, tuple[int, ...]]:
+    block_sizes = quantizer.block_sizes or {}
+    block_size = block_sizes.get(-1) or block_sizes.get(inputs.dim() - 1)
+    scale_bits = tuple(block_sizes.get("scale_bits") or ())
+    if not block_size:
+        raise NotImplementedError("fp4prep's backends handle E2M1 only in blocks")
+    if scale_bits not in ((8, 0), (4, 3)):
+        raise NotImplementedError(f"unsupported scale_bits={scale_bits} for fp4prep's backends")
+    return int(block_size), scale_bits
 
 
 class _Recent:
-    """The last few NVFP4 fake quantizations of CPU tensors, by the very tensor (unmodified since).
+    """The last few NVFP4 input quantizations of CPU tensors, by the very tensor (unmodified since).
 
-    Projections that read one input (q/k/v, gate/up) each quantize it, with the same global amax,
+    Projections that read one input (q/k/v, gate/up) each quantize it, with the same global scale,
     as engines do once for the fused GEMM: the second and third time it is the same work, which on
     a CPU costs as much as the matmul."""
 
@@ -73,13 +103,13 @@ class _Recent:
         self.size = size
         self.entries: list[tuple[torch.Tensor, int, int, float, torch.Tensor]] = []
 
-    def get_or_make(self, x: torch.Tensor, block_size: int, amax: torch.Tensor) -> torch.Tensor:
-        if x.device.type != "cpu" or amax.numel() != 1 or x.requires_grad:
-            return nvfp4_fake_quant(x, block_size, amax)
-        key = (x._version, block_size, float(amax))
+    def get_or_make(self, x: torch.Tensor, block_size: int, global_scale: torch.Tensor) -> torch.Tensor:
+        if x.device.type != "cpu" or x.requires_grad:
+            return nvfp4_activations(x, global_scale, block_size)
+        key = (x._version, block_size, float(global_scale))
         for tensor, *rest, out in self.entries:
             if tensor is x and tuple(rest) == key:
                 return out
-        out = nvfp4_fake_quant(x, block_size, amax)
+        out = nvfp4_activations(x, global_scale, block_size)
         self.entries = [(x, *key, out), *self.entries[: self.size - 1]]
         return out

@@ -35,8 +35,8 @@ def quiet() -> Iterator[io.StringIO]:
 
 
 def quant_config(recipe: Recipe, compute: Compute, checkpoint_dir: Path | None = None) -> dict[str, Any]:
-    """ModelOpt's config for ``recipe``: the format's preset, quantizers on the CPU backend where
-    there is no CUDA, static NVFP4 weight scales for GPTQ, what stays BF16 excluded, and layerwise
+    """ModelOpt's config for ``recipe``: the format's preset, input quantizers on the engine's
+    arithmetic, weight quantizers on the CPU backend where there is no CUDA, static NVFP4 weight scales for GPTQ, what stays BF16 excluded, and layerwise
     calibration (one decoder layer at a time, checkpointed per layer in ``checkpoint_dir``) running
     the recipe's steps, or the preset's own max calibration where it has none."""
     import modelopt.torch.quantization as mtq
@@ -47,7 +47,9 @@ def quant_config(recipe: Recipe, compute: Compute, checkpoint_dir: Path | None =
         cfg = entry.get("cfg")
         if not isinstance(cfg, dict):
             continue
-        if not compute.cuda and backend.handles(cfg.get("num_bits")):
+        if entry.get("quantizer_name") == "*input_quantizer" and backend.handles(cfg.get("num_bits")):
+            cfg["backend"] = backend.INPUTS  # the engine's arithmetic, on a GPU too
+        elif not compute.cuda and backend.handles(cfg.get("num_bits")):
             cfg["backend"] = backend.NAME
         if recipe.static_weight_scales and entry.get("quantizer_name") == "*weight_quantizer":
             cfg["block_sizes"] = {**cfg["block_sizes"], "type": "static"}

@@ -1,6 +1,7 @@
 """Everything fp4prep registers with ModelOpt or patches in it, for one run, undone when it ends.
 
-- The CPU fake-quant backend (``backend.CpuBackend``), which quantizers name where there is no CUDA.
+- The fake-quant backends: ``backend.CpuBackend``, which weight quantizers name where there is no
+  CUDA, and ``backend.InputBackend``, which input quantizers name everywhere (the engine's arithmetic).
 - ``fp4prep``, a calibration algorithm whose per-layer function is the run's own ``LayerPass`` (the
   recipe's steps); restoring a calibrated model's state needs it registered too.
 - ModelOpt's static NVFP4 fake-quant kernel (Triton, called directly by quantizers with static block
@@ -32,13 +33,13 @@ LayerFunction = Callable[[torch.nn.Module, Callable[[torch.nn.Module], None]], N
 class Session:
     def __init__(self, compute: Compute) -> None:
         self.compute = compute
-        self.backend = backend.CpuBackend()
+        self.backends = {backend.NAME: backend.CpuBackend(), backend.INPUTS: backend.InputBackend()}
         self.layer_pass: LayerFunction | None = None  # set by the calibration that runs the recipe
         self._undo: list[Callable[[], None]] = []
         self._kernel_swapped = False
 
     def __enter__(self) -> Session:
-        self._register_backend()
+        self._register_backends()
         self._register_algorithm()
         if not _triton_available():
             self._swap_static_kernel()
@@ -49,27 +50,32 @@ class Session:
             self._undo.pop()()
 
     def use_checkpoint_numerics(self, model: torch.nn.Module) -> None:
-        """Switch every quantizer of ``model`` to the checkpoint's arithmetic (the CPU backend's).
+        """Switch every quantizer of ``model`` to the checkpoint's arithmetic (weights) and the
+        engine's (inputs), as fp4prep's backends compute them.
 
-        On the CPU they already run it; on CUDA, ModelOpt's kernels calibrated the model and this
-        makes it bit-comparable with the checkpoint's independent reload.
+        On the CPU they already run them; on CUDA, ModelOpt's kernels calibrated the weights and
+        this makes the model bit-comparable with the checkpoint's independent reload.
         """
         from modelopt.torch.quantization.nn import TensorQuantizer
 
         self._swap_static_kernel()
-        for module in model.modules():
+        for name, module in model.named_modules():
             if isinstance(module, TensorQuantizer) and module.is_enabled and backend.handles(module.num_bits):
-                module.backend = backend.NAME
+                module.backend = backend.INPUTS if name.endswith("input_quantizer") else backend.NAME
 
-    def _register_backend(self) -> None:
+    def _register_backends(self) -> None:
         from modelopt.torch.quantization.nn.modules import tensor_quantizer as tq
 
-        previous = tq._QUANT_FUNCTIONAL_BACKENDS.get(backend.NAME)
-        tq._QUANT_FUNCTIONAL_BACKENDS[backend.NAME] = self.backend
-        if previous is None:
-            self._undo.append(lambda: tq.unregister_quant_backend(backend.NAME))
-        else:
-            self._undo.append(lambda: tq._QUANT_FUNCTIONAL_BACKENDS.__setitem__(backend.NAME, previous))
+        registry = tq._QUANT_FUNCTIONAL_BACKENDS
+        previous = {name: registry[name] for name in self.backends if name in registry}
+
+        def undo() -> None:
+            for name in self.backends:
+                registry.pop(name, None)
+            registry.update(previous)
+
+        registry.update(self.backends)
+        self._undo.append(undo)
 
     def _register_algorithm(self) -> None:
         from modelopt.torch.quantization.mode import CalibrateModeRegistry

@@ -1,8 +1,8 @@
 """An independent reader of the checkpoints we write: our own decoding, not ModelOpt's.
 
 It dequantizes the safetensors into a dense transformers model, one tensor at a time as each layer
-runs, and, where the format quantizes activations, applies the same activation quantization a
-serving engine applies (from the stored input scales). The model it returns computes what the
+runs, and, where the format quantizes activations, quantizes each layer's input as the serving
+engine does (``formats.engine``, from the stored input scales). The model it returns computes what the
 checkpoint describes, so its logits are compared with the calibrated fake-quant model's and, in
 parity, with the BF16 model's.
 """
@@ -18,16 +18,14 @@ import torch
 
 from ..device import Compute
 from ..formats import declared
+from ..formats.engine import fp8_per_token_activations, nvfp4_activations, nvfp4_global_scale
 from ..formats.numerics import (
     E4M3_MAX,
-    NVFP4_GLOBAL,
     dequantize_fp8,
     dequantize_mxfp4,
     dequantize_nvfp4,
     fp8_fake_quant,
     mxfp4_fake_quant,
-    nvfp4_fake_quant,
-    per_token_fp8_fake_quant,
 )
 from ..model import streaming
 from ..model.lazy import LazyWeights
@@ -93,13 +91,14 @@ class DequantizedWeights(LazyWeights):
             i_name = "input_global_scale" if layout.reciprocal_globals else "input_scale"
             if f"{module}.{i_name}" not in names:
                 return None
-            s = _scalar(source.raw(f"{module}.{i_name}"))
-            amax = torch.tensor(NVFP4_GLOBAL / s if layout.reciprocal_globals else NVFP4_GLOBAL * s)
-            return partial(nvfp4_fake_quant, block_size=fmt.block_size, global_amax=amax)
+            stored = source.raw(f"{module}.{i_name}").float()
+            # compressed-tensors stores the engine's global scale itself, ModelOpt its reciprocal.
+            scale = stored.max() if layout.reciprocal_globals else nvfp4_global_scale(stored)
+            return partial(nvfp4_activations, global_scale=scale.to(self.device), block_size=fmt.block_size)
         if fmt.block_scale == "e8m0":
             return partial(mxfp4_fake_quant, block_size=fmt.block_size) if self.declared.dynamic_inputs else None
         if self.declared.dynamic_inputs:
-            return per_token_fp8_fake_quant
+            return fp8_per_token_activations
         if f"{module}.input_scale" in names:
             amax = source.raw(f"{module}.input_scale").float() * E4M3_MAX
             return partial(fp8_fake_quant, amax=amax)

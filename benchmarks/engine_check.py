@@ -1,0 +1,258 @@
+"""Check fp4prep against the serving engine's own code: vLLM 0.33.0, installed here, on the CPU.
+
+vLLM goes into its own virtual environment (``$FP4PREP_DATA_DIR/vllm-0.33.0``, made on first use:
+the vLLM wheel without its CUDA dependencies, the pure-Python packages its import needs, and this
+project's torch through a path file), so nothing in fp4prep's own environment changes. Then:
+
+    .venv/bin/python benchmarks/engine_check.py vectors [OUT.safetensors]
+        vLLM's activation quantization (NVFP4 ``ref_nvfp4_quant_dequant``, per-token FP8
+        ``QuantFP8.forward_native``) on random tensors that reach every branch: blocks whose scale
+        rounds to zero, clipping above the global scale, E2M1 ties. The default OUT is the file
+        tests/pipeline/test_engine_numerics.py compares fp4prep's arithmetic with.
+
+    .venv/bin/python benchmarks/engine_check.py demo [--format nvfp4|fp8|all]
+        The demo's job for each format (its recipe, quality gate off), then its checkpoint run two
+        ways over the job's held-back conversations: fp4prep's reload (its own reader, the engine's
+        activation arithmetic) and vLLM's emulation of every quantized linear layer (vLLM reading
+        the stored tensors as its loader's post-processing leaves them, dequantizing the weights,
+        quantizing the input, the matmul), everything else alike. Prints what vLLM read and the
+        agreement of the two models' logits (top-1, KL) on the assistant's answers.
+        MXFP4's emulation in vLLM needs AMD's quark kernels and is not run here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import venv
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+VLLM = "0.33.0"
+# What importing vLLM's quantization utilities needs besides torch and fp4prep's own packages.
+IMPORT_NEEDS = [
+    "pyzmq", "cbor2", "aiohttp", "openai-harmony", "openai", "pillow", "pybase64", "cachetools",
+    "msgspec", "uvloop", "prometheus_client", "xgrammar", "fastapi", "partial_json_parser",
+    "llguidance", "py-cpuinfo", "blake3", "psutil", "sentencepiece", "pyyaml", "einops", "cloudpickle",
+]
+VECTORS = ROOT / "tests" / "pipeline" / "data" / f"vllm-{VLLM}-activations.safetensors"
+
+
+def environment() -> Path:
+    """The virtual environment's python, vLLM installed in it (once)."""
+    data = Path(os.environ.get("FP4PREP_DATA_DIR", Path.home() / ".cache" / "fp4prep"))
+    env = data / f"vllm-{VLLM}"
+    python = env / "bin" / "python"
+    if (env / ".ready").is_file():
+        return python
+    print(f"installing vLLM {VLLM} into {env} (once; ~400 MB download)", flush=True)
+    venv.create(env, with_pip=True)
+    site = next((env / "lib").glob("python*/site-packages"))
+    ours = next((ROOT / ".venv" / "lib").glob("python*/site-packages"))
+    (site / "fp4prep-venv.pth").write_text(f"{ours}\n{ROOT}\n")  # torch, transformers, fp4prep
+    pip = [str(python), "-m", "pip", "install", "-q"]
+    subprocess.run([*pip, "--no-deps", f"vllm=={VLLM}"], check=True)
+    subprocess.run([*pip, *IMPORT_NEEDS], check=True)
+    (env / ".ready").write_text(VLLM)
+    return python
+
+
+def inside(argv: list[str]) -> None:
+    """Re-run this script in vLLM's environment (on the CPU platform) with ``argv``."""
+    environ = {**os.environ, "VLLM_TARGET_DEVICE": "cpu", "VLLM_LOGGING_LEVEL": "ERROR"}
+    sys.exit(subprocess.run([str(environment()), __file__, "--inside", *argv], env=environ).returncode)
+
+
+# --- run inside vLLM's environment ---------------------------------------------------------------
+
+
+def write_vectors(out: Path) -> None:
+    import torch
+    from safetensors.torch import save_file
+    from vllm.config import VllmConfig, set_current_vllm_config
+    from vllm.model_executor.layers.quantization.input_quant_fp8 import QuantFP8
+    from vllm.model_executor.layers.quantization.utils.nvfp4_emulation_utils import ref_nvfp4_quant_dequant
+    from vllm.model_executor.layers.quantization.utils.quant_utils import GroupShape
+
+    g = torch.Generator().manual_seed(0)
+    # Channels over four decades, as activations with outlier channels have: against a global
+    # scale set by the outliers, the quiet blocks' E4M3 scales underflow.
+    spread = torch.logspace(-4, 1, 1024)[torch.randperm(1024, generator=g)]
+    # And quiet tokens (rows scaled down by up to 1e-6), whose blocks' scales round to zero.
+    quiet = torch.logspace(0, -6, 96).unsqueeze(-1)
+    x = (torch.randn(96, 1024, generator=g) * spread * quiet).to(torch.bfloat16)
+    x[0, :16] = 0  # an all-zero block
+    x[1, :64] = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 6.0] * 8)  # E2M1 ties at scale 1
+    tensors = {"x": x}
+    amax = x.float().abs().amax()
+    # The global amax of calibration (above, at and well below the tensor's own), as ModelOpt's
+    # export stores it: input_scale = amax / (6 * 448); vLLM's global scale is its reciprocal.
+    for i, factor in enumerate((4.0, 1.0, 0.3, 0.01)):
+        calibrated = (amax * factor).reshape(1)
+        input_scale = calibrated / 2688.0
+        global_scale = (1.0 / input_scale.max().to(torch.float32)).to(torch.float32)
+        tensors[f"nvfp4.{i}.amax"] = calibrated
+        tensors[f"nvfp4.{i}.global_scale"] = global_scale.reshape(1)
+        tensors[f"nvfp4.{i}.out"] = ref_nvfp4_quant_dequant(x, global_scale, 16)
+    with set_current_vllm_config(VllmConfig()):
+        quant = QuantFP8(static=False, group_shape=GroupShape.PER_TOKEN)
+    q, scale = quant.forward_native(x)
+    tensors["fp8.out"] = (q.float() * scale).to(x.dtype)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, out, metadata={"vllm": VLLM})
+    print(f"wrote {out} ({out.stat().st_size // 1024} KiB): vLLM {VLLM}'s outputs on {tuple(x.shape)} BF16 inputs")
+
+
+def emulated(directory: Path, compute: object) -> object:
+    """The checkpoint with every quantized linear layer computed by vLLM's emulation."""
+    import torch
+    import torch.nn.functional as F
+    from vllm.config import VllmConfig, set_current_vllm_config
+    from vllm.model_executor.layers.quantization.input_quant_fp8 import QuantFP8
+    from vllm.model_executor.layers.quantization.utils.nvfp4_emulation_utils import run_nvfp4_emulations
+    from vllm.model_executor.layers.quantization.utils.quant_utils import GroupShape
+
+    from fp4prep.pipeline.model.safetensors import TensorSource
+    from fp4prep.pipeline.validation import reader
+
+    source = TensorSource(directory)
+    stored = set(source.names())
+    model = reader.load(directory, compute, quantize_activations=False)  # type: ignore[arg-type]
+    with set_current_vllm_config(VllmConfig()):
+        fp8_input = QuantFP8(static=False, group_shape=GroupShape.PER_TOKEN)
+    read: dict[str, int] = {}
+
+    def nvfp4(name: str, x: torch.Tensor) -> torch.Tensor:
+        raw = {leaf: source.raw(f"{name}.{leaf}") for leaf in ("weight", "weight_scale", "weight_scale_2", "input_scale")}
+        # ModelOptNvFp4 post-processing: the global scales' maxima, the input's as a reciprocal.
+        weight_global = raw["weight_scale_2"].max().to(torch.float32)
+        input_global_inv = (1.0 / raw["input_scale"].max().to(torch.float32)).to(torch.float32)
+        flat = x.reshape(-1, x.shape[-1])
+        out = run_nvfp4_emulations(flat, input_global_inv, raw["weight"], raw["weight_scale"], weight_global, swizzle=False)
+        return out.reshape(*x.shape[:-1], -1)
+
+    def fp8(name: str, x: torch.Tensor) -> torch.Tensor:
+        weight, scale = source.raw(f"{name}.weight"), source.raw(f"{name}.weight_scale").float()
+        flat = x.reshape(-1, x.shape[-1])
+        q, q_scale = fp8_input.forward_native(flat)
+        w = (weight.float() * scale.reshape(-1, 1)).to(x.dtype)
+        return F.linear((q.float() * q_scale).to(x.dtype), w).reshape(*x.shape[:-1], -1)
+
+    for name, module in model.named_modules():
+        if not isinstance(module, torch.nn.Linear) or f"{name}.weight_scale" not in stored:
+            continue
+        kind = "nvfp4" if f"{name}.weight_scale_2" in stored else "fp8"
+        read[kind] = read.get(kind, 0) + 1
+        compute_layer = nvfp4 if kind == "nvfp4" else fp8
+        module.forward = lambda x, n=name, f=compute_layer: f(n, x)  # type: ignore[method-assign]
+    print("vLLM computes " + ", ".join(f"{n} {kind} linear layers" for kind, n in sorted(read.items())))
+    return model
+
+
+def modelopt_arithmetic(directory: Path, compute: object) -> object:
+    """fp4prep's reload as it was before it followed the engine: the inputs quantized with
+    ModelOpt's arithmetic (the weights' own), from the same stored scales."""
+    from functools import partial
+
+    from fp4prep.pipeline.formats import numerics
+    from fp4prep.pipeline.model.safetensors import TensorSource
+    from fp4prep.pipeline.validation import reader
+
+    source = TensorSource(directory)
+    stored = set(source.names())
+    model = reader.load(directory, compute, quantize_activations=False)  # type: ignore[arg-type]
+    for name, module in model.named_modules():
+        if f"{name}.input_scale" in stored:
+            amax = source.raw(f"{name}.input_scale").float() * numerics.NVFP4_GLOBAL
+            quantize = partial(numerics.nvfp4_fake_quant, block_size=16, global_amax=amax)
+        elif f"{name}.weight_scale" in stored:
+            quantize = lambda x: numerics.fp8_fake_quant(x, x.abs().amax(-1, keepdim=True))  # noqa: E731
+        else:
+            continue
+        module.register_forward_pre_hook(lambda m, args, q=quantize: (q(args[0]), *args[1:]))
+    return model
+
+
+def compare(directory: Path, examples_file: Path) -> None:
+    import json
+
+    import torch
+
+    from fp4prep.pipeline import device
+    from fp4prep.pipeline.validation import parity, reader
+
+    compute = device.resolve("cpu")
+    examples = json.loads(examples_file.read_text())
+    sequences = [e["input_ids"] for e in examples]
+    vllm = emulated(directory, compute)
+    candidates = {"fp4prep's reload": reader.load(directory, compute),
+                  "ModelOpt's arithmetic for the inputs": modelopt_arithmetic(directory, compute)}
+    with torch.no_grad():
+        reference = parity.final_hidden_states(vllm, sequences)
+        for label, model in candidates.items():
+            tally, worst = parity._Tally(), 0.0
+            states = parity.final_hidden_states(model, sequences)
+            with parity.output_head(vllm) as their_head, parity.output_head(model) as our_head:
+                for e, a, b in zip(examples, states, reference, strict=True):
+                    rows = parity._positions(len(e["input_ids"]), [tuple(s) for s in e["answer_spans"]])
+                    ref, got = their_head(b[rows]), our_head(a[rows])
+                    tally.add(ref, got)
+                    worst = max(worst, float((ref - got).abs().max()))
+            print(json.dumps({"against vLLM's emulation": label, "compute": str(compute.dtype),
+                              "answer_tokens": tally.tokens, "top1_agreement": round(tally.top1, 4),
+                              "mean_kl": round(tally.mean_kl, 5), "max_logit_difference": round(worst, 4)}), flush=True)
+
+
+def demo(formats: list[str]) -> None:
+    import json
+    import tempfile
+    from dataclasses import asdict
+
+    from fp4prep import demo as demo_assets
+    from fp4prep.pipeline import PipelineConfig, run
+    from fp4prep.pipeline.stages import _corpus, _tokenizer
+
+    assets = demo_assets.build()
+    for fmt in formats:
+        with tempfile.TemporaryDirectory(prefix="fp4prep-engine-") as tmp:
+            config = PipelineConfig(output_dir=Path(tmp) / "out", base_dir=assets.base_dir, adapter_dir=assets.adapter_dir,
+                                    calibration_file=assets.calibration_file, quantization=fmt, quality_gate=False,
+                                    parity_prompts=60)
+            result = run(config)
+            examples = _corpus(config, _tokenizer(config.base_dir)).parity
+            examples_file = Path(tmp) / "examples.json"
+            examples_file.write_text(json.dumps([asdict(e) for e in examples]))
+            print(f"{fmt}: the job's parity with BF16 on answers: top-1 {result.parity.answer_top1:.4f}, "
+                  f"KL {result.parity.answer_kl:.4f}", flush=True)
+            environ = {**os.environ, "VLLM_TARGET_DEVICE": "cpu", "VLLM_LOGGING_LEVEL": "ERROR"}
+            subprocess.run([str(environment()), __file__, "--inside", "compare", str(result.output_dir), str(examples_file)],
+                           env=environ, check=True)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--inside", action="store_true", help=argparse.SUPPRESS)
+    sub = parser.add_subparsers(dest="command", required=True)
+    vec = sub.add_parser("vectors")
+    vec.add_argument("out", nargs="?", type=Path, default=VECTORS)
+    dm = sub.add_parser("demo")
+    dm.add_argument("--format", choices=["nvfp4", "fp8", "all"], default="all")
+    cmp = sub.add_parser("compare", help=argparse.SUPPRESS)
+    cmp.add_argument("directory", type=Path)
+    cmp.add_argument("examples", type=Path)
+    args = parser.parse_args()
+    if args.command == "demo":
+        demo(["nvfp4", "fp8"] if args.format == "all" else [args.format])
+    elif not args.inside:
+        inside(sys.argv[1:])
+    elif args.command == "vectors":
+        write_vectors(args.out)
+    else:
+        compare(args.directory, args.examples)
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(ROOT))
+    main()

@@ -1,0 +1,81 @@
+"""A quantized layer's input is quantized as vLLM 0.33.0 quantizes it, bit for bit.
+
+The expected values are vLLM's own outputs, computed by vLLM's code on the CPU and stored in
+data/vllm-0.33.0-activations.safetensors by ``benchmarks/engine_check.py vectors``:
+- NVFP4: ``ref_nvfp4_quant_dequant`` in vllm/model_executor/layers/quantization/utils/nvfp4_emulation_utils.py,
+  with the global scale ``1 / input_scale`` of ``KNvfp4Dynamic.process`` (quantization/modelopt.py);
+- FP8 per token: ``QuantFP8.forward_native`` in vllm/model_executor/layers/quantization/input_quant_fp8.py.
+The inputs span four decades per channel (blocks whose E4M3 scale underflows), an all-zero block
+and E2M1 ties; the global scales lie above, at and far below the tensor's own amax.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file
+
+from fp4prep.pipeline.formats import engine, numerics
+from fp4prep.pipeline.modelopt_ext import backend
+
+VECTORS = Path(__file__).parent / "data" / f"vllm-{engine.VLLM_VERSION}-activations.safetensors"
+SCALES = range(4)
+
+
+@pytest.fixture(scope="module")
+def vectors() -> dict[str, torch.Tensor]:
+    with safe_open(VECTORS, "pt") as f:
+        assert f.metadata() == {"vllm": engine.VLLM_VERSION}
+    return load_file(VECTORS)
+
+
+@pytest.mark.parametrize("path", ["compiled", "eager"])
+@pytest.mark.parametrize("i", SCALES)
+def test_nvfp4_inputs_match_vllm(vectors: dict[str, torch.Tensor], i: int, path: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(engine.nvfp4_activations, "min_values", 0)  # small tensors: compile them anyway
+    fn = engine.nvfp4_activations if path == "compiled" else engine.nvfp4_activations.eager
+    x, expected = vectors["x"], vectors[f"nvfp4.{i}.out"]
+    got = fn(x, vectors[f"nvfp4.{i}.global_scale"], 16)
+    assert got.dtype == torch.bfloat16
+    assert torch.equal(got, expected), f"{int((got != expected).sum())} of {x.numel()} values differ"
+    if path == "compiled":
+        assert engine.nvfp4_activations.available, "compiling fell back to eager torch"
+
+
+def test_the_vectors_reach_every_branch(vectors: dict[str, torch.Tensor]) -> None:
+    x = vectors["x"].float()
+    for i in SCALES:
+        out = vectors[f"nvfp4.{i}.out"].float()
+        blocks_in, blocks_out = x.reshape(-1, 16).abs().amax(-1), out.reshape(-1, 16).abs().amax(-1)
+        if i == 0:  # global amax 4x the tensor's: quiet blocks' scales round to zero in E4M3
+            assert int(((blocks_in > 0) & (blocks_out == 0)).sum()) > 100
+        if i == 3:  # global amax 1% of the tensor's: values clip at 6 steps
+            assert float(out.abs().max()) < float(x.abs().max()) / 10
+    # ModelOpt's arithmetic, which fp4prep used for inputs before, differs exactly there.
+    ours_before = numerics.nvfp4_fake_quant.eager(vectors["x"], 16, vectors["nvfp4.0.amax"])
+    assert not torch.equal(ours_before, vectors["nvfp4.0.out"])
+
+
+def test_fp8_per_token_inputs_match_vllm(vectors: dict[str, torch.Tensor]) -> None:
+    got = engine.fp8_per_token_activations(vectors["x"])
+    assert torch.equal(got, vectors["fp8.out"])
+    # Dividing by the scale (ModelOpt's export arithmetic) instead of multiplying by its reciprocal differs.
+    x = vectors["x"]
+    assert not torch.equal(numerics.fp8_fake_quant(x, x.abs().amax(-1, keepdim=True)), vectors["fp8.out"])
+
+
+def test_input_quantizers_run_the_engines_arithmetic(vectors: dict[str, torch.Tensor]) -> None:
+    """ModelOpt's input quantizers, on fp4prep's input backend, compute vLLM's values from their amax."""
+    from modelopt.torch.quantization.nn import TensorQuantizer
+    from modelopt.torch.quantization.config import QuantizerAttributeConfig
+
+    cfg = QuantizerAttributeConfig(num_bits=(2, 1), block_sizes={-1: 16, "type": "dynamic", "scale_bits": (4, 3)})
+    quantizer = TensorQuantizer(cfg)
+    # The calibrated amax, whose export stores input_scale = amax / 2688; vLLM's global scale is its reciprocal.
+    quantizer.amax = vectors["nvfp4.1.amax"].reshape(())
+    assert torch.equal(engine.nvfp4_global_scale_of(quantizer.amax), vectors["nvfp4.1.global_scale"].reshape(()))
+    got = backend.InputBackend()(vectors["x"], quantizer)
+    assert torch.equal(got, vectors["nvfp4.1.out"])
