@@ -89,7 +89,9 @@ def test_it_prepares_a_checkpoint_engines_load_as_is(
     if quantization != "mxfp4":
         qc = config["quantization_config"]
         assert isinstance(qc.get("ignore", qc.get("exclude_modules")), list)
-        assert qc.get("group_size") == (16 if quantization == "nvfp4" else None)
+        # vLLM takes an absent group_size as 16 (ModelOptNvFp4Config); ModelOpt's export writes it
+        # inside config_groups, which vLLM's ModelOpt loader does not read.
+        assert qc.get("group_size") in (None, 16)
     else:
         (group,) = config["quantization_config"]["config_groups"].values()
         assert group["weights"] | {"observer": None} == group["weights"] | {

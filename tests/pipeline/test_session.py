@@ -21,7 +21,7 @@ def modelopt_state() -> dict[str, Any]:
     from modelopt.torch.quantization.nn.modules import tensor_quantizer as tq
 
     return {
-        "backend": tq._QUANT_FUNCTIONAL_BACKENDS.get(backend.NAME),
+        "backends": {n: tq._QUANT_FUNCTIONAL_BACKENDS.get(n) for n in (backend.NAME, backend.INPUTS)},
         "algorithm": f"{METHOD}_calibrate" in CalibrateModeRegistry,
         "static kernel": tq.static_blockwise_fp4_fake_quant,
     }
@@ -29,13 +29,13 @@ def modelopt_state() -> dict[str, Any]:
 
 def test_a_session_registers_for_its_run_and_puts_everything_back() -> None:
     before = modelopt_state()
-    assert before["backend"] is None and not before["algorithm"]
+    assert before["backends"] == {backend.NAME: None, backend.INPUTS: None} and not before["algorithm"]
     with Session(resolve("cpu")) as outer:
         inside = modelopt_state()
-        assert inside["backend"] is outer.backend and inside["algorithm"]
+        assert inside["backends"] == outer.backends and inside["algorithm"]
         assert inside["static kernel"] is not before["static kernel"]  # no Triton here: ours computes
         with Session(resolve("cpu")) as inner:  # a nested one takes over, and hands back
-            assert modelopt_state()["backend"] is inner.backend
+            assert modelopt_state()["backends"] == inner.backends
         assert modelopt_state() == inside
     assert modelopt_state() == before
 
