@@ -9,6 +9,13 @@ from .models import DeploymentProfile, Model, Revision
 
 # vLLM's --quantization method for each checkpoint layout we write (README, "What the checkpoint holds").
 VLLM_METHOD = {"nvfp4": "modelopt_fp4", "mxfp4": "compressed-tensors", "fp8": "modelopt"}
+# GPUs on which vLLM 0.33 runs an MXFP4 checkpoint W4A4 (FlashInfer, compute capability 10+),
+# quantizing the activations its weights-only config leaves out.
+BLACKWELL = ("blackwell", "b100", "b200", "b300", "gb200", "gb300")
+MXFP4_ON_BLACKWELL = (
+    "On Blackwell GPUs vLLM 0.33 quantizes this checkpoint's activations to MXFP4 as well (W4A4, "
+    "FlashInfer); its parity with BF16 above was measured with BF16 activations, as Hopper GPUs run it."
+)
 
 
 @dataclass(frozen=True)
@@ -16,6 +23,7 @@ class ServeCommand:
     profile: DeploymentProfile | None
     download: str
     serve: str
+    note: str = ""
 
 
 def quantization_of(revision: Revision) -> str:
@@ -49,6 +57,15 @@ def commands(model: Model, revision: Revision, api_root: str) -> list[ServeComma
                     f"--served-model-name {shlex.quote(model.name)}",
                 ]
             ),
+            _note(quantization, profile),
         )
         for profile in profiles
     ]
+
+
+def _note(quantization: str, profile: DeploymentProfile | None) -> str:
+    """What serving on this profile runs differently from what the revision's parity measured."""
+    hardware = (profile.hardware if profile else "").lower()
+    if quantization == "mxfp4" and any(marker in hardware for marker in BLACKWELL):
+        return MXFP4_ON_BLACKWELL
+    return ""

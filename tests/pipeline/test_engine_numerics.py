@@ -69,8 +69,8 @@ def test_fp8_per_token_inputs_match_vllm(vectors: dict[str, torch.Tensor]) -> No
 
 def test_input_quantizers_run_the_engines_arithmetic(vectors: dict[str, torch.Tensor]) -> None:
     """ModelOpt's input quantizers, on fp4prep's input backend, compute vLLM's values from their amax."""
-    from modelopt.torch.quantization.nn import TensorQuantizer
     from modelopt.torch.quantization.config import QuantizerAttributeConfig
+    from modelopt.torch.quantization.nn import TensorQuantizer
 
     cfg = QuantizerAttributeConfig(num_bits=(2, 1), block_sizes={-1: 16, "type": "dynamic", "scale_bits": (4, 3)})
     quantizer = TensorQuantizer(cfg)

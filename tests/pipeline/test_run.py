@@ -122,7 +122,11 @@ def test_it_prepares_a_checkpoint_engines_load_as_is(
         "mxfp4": "max, then GPTQ against each block's own scale",
     }
     assert lineage["recipe"]["calibration"] == expected.get(quantization, "max")
-    assert f"calibration: {lineage['recipe']['calibration']}" in (out / "README.md").read_text()
+    card = (out / "README.md").read_text()
+    assert f"calibration: {lineage['recipe']['calibration']}" in card
+    # How to serve it, and no claim that transformers loads it (it does not load these layouts).
+    assert "## Serving" in card and "`vllm serve <this directory>`" in card and "library_name" not in card
+    assert lineage["recipe"]["activation_arithmetic"] == (None if quantization == "mxfp4" else "vLLM 0.33.0")
     assert lineage["tools"]["nvidia-modelopt"] == importlib.metadata.version("nvidia-modelopt")
     assert lineage["metrics"]["parity"] == dataclasses.asdict(parity)  # the record is the result
     assert not any(p.name.startswith(".fp4prep-") for p in tmp_path.iterdir())

@@ -52,6 +52,7 @@ def test_peak_memory_does_not_grow_with_depth(tmp_path: Path, tokenizer_dir: Pat
         peaks[layers], result = peak_rss_of_a_run(base, tmp_path / f"out{layers}", tmp_path)
         assert result["reload_max_logit_diff"] == 0.0
     extra = 16 * layer_bytes  # what holding the 16 extra layers once would add, in BF16
+    print(f"peak RSS by depth: {peaks}; growth {(peaks[20] - peaks[4]) >> 20} MiB, bar {(extra // 4) >> 20} MiB")
     assert peaks[20] - peaks[4] < extra / 4, (peaks, extra)
 
 

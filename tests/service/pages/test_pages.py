@@ -259,3 +259,18 @@ def test_the_revision_page_gives_the_exact_vllm_command(people: People, catalogu
     assert serve in html
     assert f"http://testserver/v1/models/{model.id}/revisions/{revision.id}/download \\\n    -o {directory}.tar" in html
     assert f"mkdir -p {directory} &amp;&amp; tar -xf {directory}.tar -C {directory}" in html
+    assert "W4A4" not in html  # NVFP4 runs on every profile as its parity measured it
+
+
+def test_an_mxfp4_revision_on_blackwell_says_vllm_quantizes_its_activations(people: People, catalogue: Any) -> None:
+    from registry.models import DeploymentProfile
+
+    for name, hardware in (("Hopper", "NVIDIA H200"), ("Blackwell", "NVIDIA B200")):
+        DeploymentProfile.objects.create(supported_base=catalogue, name=name, hardware=hardware, gpu_count=8, quantization="mxfp4")
+    model = Model.objects.create(project=people.project_a, kind="prepared", name="bot (MXFP4)", base_model="tests/tiny-llama-mxfp4", supported_base=catalogue)
+    revision = Revision.objects.create(model=model, number=1, path="p", size_bytes=1, sha256="0" * 64, metadata={"quantization": "mxfp4"})
+    html = people.alice.web.get(f"/projects/{people.project_a.id}/models/{model.id}/revisions/{revision.id}/").content.decode()
+    sections = {part.split(" ", 1)[0]: part for part in html.split('<div class="panel" id="serve">')[1].split("<h3>")[1:]}
+    hopper, blackwell = sections["Hopper"], sections["Blackwell"]
+    assert "--quantization compressed-tensors" in hopper and "W4A4" not in hopper
+    assert "vLLM 0.33 quantizes this checkpoint&#x27;s activations to MXFP4 as well (W4A4" in blackwell
