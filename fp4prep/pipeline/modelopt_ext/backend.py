@@ -40,17 +40,11 @@ class CpuBackend:
     def __call__(self, inputs: torch.Tensor, quantizer: TensorQuantizer) -> torch.Tensor:
         _check(quantizer)
         if tuple(quantizer.num_bits) == (4, 3):
-            amax = getattr(quantizer, "_amax", None)
-            if amax is None:
-                amax = inputs.detach().abs().amax()
-            return fp8_fake_quant(inputs, amax.to(inputs.device))
+            return fp8_fake_quant(inputs, _amax(getattr(quantizer, "_amax", None), inputs))
         block_size, scale_bits = _blocks(quantizer, inputs)
         if scale_bits == (8, 0):
             return mxfp4_fake_quant(inputs, block_size)
-        amax = quantizer.amax
-        if amax is None:
-            amax = inputs.detach().abs().amax()
-        return nvfp4_fake_quant(inputs, block_size, amax.to(inputs.device))
+        return nvfp4_fake_quant(inputs, block_size, _amax(quantizer.amax, inputs))
 
 
 class InputBackend:
@@ -70,10 +64,13 @@ class InputBackend:
         block_size, scale_bits = _blocks(quantizer, inputs)
         if scale_bits == (8, 0):
             return mxfp4_fake_quant(inputs, block_size)
-        amax = quantizer.amax
-        if amax is None:
-            amax = inputs.detach().abs().amax()
-        return self.recent.get_or_make(inputs, block_size, nvfp4_global_scale_of(amax.to(inputs.device)))
+        global_scale = nvfp4_global_scale_of(_amax(quantizer.amax, inputs))
+        return self.recent.get_or_make(inputs, block_size, global_scale)
+
+
+def _amax(calibrated: torch.Tensor | None, inputs: torch.Tensor) -> torch.Tensor:
+    """The calibrated amax, or the tensor's own before calibration set one."""
+    return (inputs.detach().abs().amax() if calibrated is None else calibrated).to(inputs.device)
 
 
 def _check(quantizer: TensorQuantizer) -> None:
