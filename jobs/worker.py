@@ -256,6 +256,8 @@ def _pipeline(job: Job, reporter: Reporter) -> Any:
         adapter_dir=job.adapter_revision.directory,
         calibration_file=job.calibration_file.path if job.calibration_file else None,
         user_token_minimum=base.user_token_minimum if job.calibration_file else 0,
+        # Where the checkpoint will serve: the run measures it as the engine computes it there.
+        serving_hardware=sorted({p.hardware for p in base.profiles.all()}),
         lineage={
             "name": f"{job.adapter.name} ({base.quantization.upper()})",
             "base": base.served_base_id,

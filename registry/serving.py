@@ -5,17 +5,13 @@ from __future__ import annotations
 import shlex
 from dataclasses import dataclass
 
+from fp4prep.pipeline import serving
+from fp4prep.pipeline.validation.report import serving_note
+
 from .models import DeploymentProfile, Model, Revision
 
 # vLLM's --quantization method for each checkpoint layout we write (README, "What the checkpoint holds").
 VLLM_METHOD = {"nvfp4": "modelopt_fp4", "mxfp4": "compressed-tensors", "fp8": "modelopt"}
-# GPUs on which vLLM 0.33 runs an MXFP4 checkpoint W4A4 (FlashInfer, compute capability 10+),
-# quantizing the activations its weights-only config leaves out.
-BLACKWELL = ("blackwell", "b100", "b200", "b300", "gb200", "gb300")
-MXFP4_ON_BLACKWELL = (
-    "On Blackwell GPUs vLLM 0.33 quantizes this checkpoint's activations to MXFP4 as well (W4A4, "
-    "FlashInfer); its parity with BF16 above was measured with BF16 activations, as Hopper GPUs run it."
-)
 
 
 @dataclass(frozen=True)
@@ -45,27 +41,30 @@ def commands(model: Model, revision: Revision, api_root: str) -> list[ServeComma
         f"mkdir -p {directory} && tar -xf {directory}.tar -C {directory}"
     )
     profiles: list[DeploymentProfile | None] = list(model.deployment_profiles()) or [None]
-    return [
-        ServeCommand(
-            profile,
-            download,
-            " \\\n    ".join(
-                [
-                    f"vllm serve ./{directory}",
-                    f"--quantization {VLLM_METHOD[quantization]}",
-                    f"--tensor-parallel-size {profile.gpu_count if profile else 1}",
-                    f"--served-model-name {shlex.quote(model.name)}",
-                ]
-            ),
-            _note(quantization, profile),
-        )
-        for profile in profiles
-    ]
+    report = revision.metadata.get("report") or {}
+    commands = []
+    for profile in profiles:
+        flags = [
+            f"vllm serve ./{directory}",
+            f"--quantization {VLLM_METHOD[quantization]}",
+            f"--tensor-parallel-size {profile.gpu_count if profile else 1}",
+            f"--served-model-name {shlex.quote(model.name)}",
+        ]
+        note, flag = _differs(quantization, profile, report)
+        commands.append(ServeCommand(profile, download, " \\\n    ".join(flags + ([flag] if flag else [])), note))
+    return commands
 
 
-def _note(quantization: str, profile: DeploymentProfile | None) -> str:
-    """What serving on this profile runs differently from what the revision's parity measured."""
-    hardware = (profile.hardware if profile else "").lower()
-    if quantization == "mxfp4" and any(marker in hardware for marker in BLACKWELL):
-        return MXFP4_ON_BLACKWELL
-    return ""
+def _differs(quantization: str, profile: DeploymentProfile | None, report: dict) -> tuple[str, str]:
+    """What serving on this profile computes other than the checkpoint declares, with the figures
+    the job measured there, and the flag that runs it as declared where those missed the bar."""
+    numerics = serving.numerics_on(quantization, profile.hardware) if profile else None
+    if numerics is None or profile is None:
+        return "", ""
+    measured = serving_note(report, profile.hardware)
+    if not measured:
+        return f"{numerics.description}; this revision was not measured that way (its job predates it).", ""
+    missed = any(profile.hardware in s["hardware"] and s["misses"] for s in report.get("serving", []))
+    if not missed:
+        return f"On {profile.hardware}: {measured}.", ""
+    return f"On {profile.hardware}: {measured} ({numerics.as_declared_effect}).", numerics.as_declared_flag

@@ -109,6 +109,7 @@ def cmd_quantize(args: argparse.Namespace) -> int:
         device=args.device,
         work_dir=args.work_dir,
         quality_gate=not args.no_quality_gate,
+        serving_hardware=args.serve_on,
         progress=bars,
         notify=lambda message: print(message, file=sys.stderr),
     )
@@ -173,6 +174,14 @@ def _add_run_options(p: argparse.ArgumentParser) -> None:
         "--no-quality-gate",
         action="store_true",
         help="write the checkpoint even if it misses the recipe's thresholds (each miss is a warning)",
+    )
+    p.add_argument(
+        "--serve-on",
+        action="append",
+        default=[],
+        metavar="GPU",
+        help="a GPU it will be served on, e.g. 'NVIDIA B200' (repeatable): where the engine computes "
+        "there other than the checkpoint declares (MXFP4 on Blackwell), it is measured that way too",
     )
     p.add_argument("--json", action="store_true", help="print the result as JSON")
     p.add_argument("--quiet", action="store_true", help="no progress bars")

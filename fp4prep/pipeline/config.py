@@ -49,6 +49,10 @@ class PipelineConfig:
     # Shown in the model card: base and adapter IDs, revision, job, ...
     lineage: dict[str, Any] = field(default_factory=dict)
     thresholds: Thresholds | None = None  # None: the recipe's own
+    # The GPUs the checkpoint will be served on (deployment profiles' hardware, e.g. "NVIDIA B200"):
+    # where the engine computes there other than what the checkpoint declares (MXFP4 on Blackwell),
+    # the checkpoint is measured once more as it will run there.
+    serving_hardware: list[str] = field(default_factory=list)
     # A recipe other than the format's own (the recipe benchmarks try candidates); None: the
     # format's recipe, which is what every hosted job and the local command use.
     recipe: Recipe | None = None
@@ -114,6 +118,22 @@ class TaskReport:
 
 
 @dataclass
+class ServingReport:
+    """The checkpoint measured as the engine runs it on some of its deployment hardware, where that
+    differs from what the checkpoint declares (see ``serving``)."""
+
+    numerics: str  # serving.EngineNumerics.key
+    description: str
+    hardware: list[str]
+    parity: ParityReport
+    task: TaskReport | None
+    # The recipe's thresholds this numerics misses (the quality gate applies to the declared one).
+    misses: list[str]
+    # vLLM's setting that runs the checkpoint as declared on that hardware instead.
+    as_declared_flag: str
+
+
+@dataclass
 class PipelineResult:
     output_dir: Path
     quantization: str
@@ -132,6 +152,8 @@ class PipelineResult:
     quality_misses: list[str] = field(default_factory=list)
     # The decoder layer calibration resumed from, when an earlier run had got that far.
     resumed_from_layer: int | None = None
+    # Behaviour where the serving hardware computes other than the checkpoint declares.
+    serving: list[ServingReport] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
         data = asdict(self)

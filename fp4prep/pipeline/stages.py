@@ -17,6 +17,7 @@ from __future__ import annotations
 import gc
 import logging
 import shutil
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -24,9 +25,9 @@ from typing import Any
 import torch
 
 from . import device as device_mod
-from . import preflight
+from . import preflight, serving
 from .calibrate import Calibrated, calibrate
-from .config import EVAL_FILE, ParityReport, PipelineConfig, PipelineResult, TaskReport
+from .config import EVAL_FILE, ParityReport, PipelineConfig, PipelineResult, ServingReport, TaskReport
 from .errors import Cancelled, InternalError, PipelineError, UserError
 from .export import export, model_card
 from .inputs import corpus as corpus_mod
@@ -201,9 +202,24 @@ def _validate(state: _Run) -> PipelineResult:
         kept = retention.retention(merged, dequantized, state.calibrated.factors) if merged.targets() else None
         progress.update(0.2)
         bf16_model = streaming.build(read_config(config.base_dir), merged, compute, config.base_dir)
-        behaviour, task = _behaviour(state, bf16_model, candidate)
-        del bf16_model, candidate
-        missed = gate.misses(config.thresholds or recipe.thresholds, behaviour, reload_diff, kept)
+        profiles = serving.profiles_to_measure(recipe.name, config.serving_hardware)
+        split = 1.0 if not profiles else 0.6
+        behaviour, task = _behaviour(state, bf16_model, candidate, progress.sub(0.2, split))
+        del candidate
+        thresholds = config.thresholds or recipe.thresholds
+        served = []
+        for i, (numerics, hardware) in enumerate(profiles):
+            # The same checkpoint as the engine computes it on that hardware.
+            share = (1.0 - split) / len(profiles)
+            there = reader.load(out, compute, numerics=numerics.key)
+            p, t = _behaviour(state, bf16_model, there, progress.sub(split + i * share, split + (i + 1) * share))
+            served.append(ServingReport(
+                numerics=numerics.key, description=numerics.description, hardware=hardware, parity=p, task=t,
+                misses=gate.misses(thresholds, p, 0.0, None), as_declared_flag=numerics.as_declared_flag,
+            ))
+            del there
+        del bf16_model
+        missed = gate.misses(thresholds, behaviour, reload_diff, kept)
         if missed and config.quality_gate:
             raise PipelineError("the checkpoint missed its quality thresholds: " + "; ".join(missed))
         result = PipelineResult(
@@ -211,7 +227,7 @@ def _validate(state: _Run) -> PipelineResult:
             bf16_bytes=state.bf16_bytes, output_bytes=directory_bytes(out), corpus=state.corpus.stats,
             parity=behaviour, reload_max_logit_diff=reload_diff, retention=kept,
             expert_tokens=state.calibrated.expert_tokens, checks=checks, task=task, device=compute.describe(),
-            quality_misses=missed, resumed_from_layer=state.resumed_from,
+            quality_misses=missed, resumed_from_layer=state.resumed_from, serving=served,
         )
         result.checks += [f"reload matches the calibrated model (max logit difference {reload_diff:.4f})"]
         result.checks += report.headline(result.to_dict())
@@ -220,19 +236,25 @@ def _validate(state: _Run) -> PipelineResult:
     return result
 
 
-def _behaviour(state: _Run, bf16_model: Any, candidate: Any) -> tuple[ParityReport, TaskReport | None]:
+def _behaviour(
+    state: _Run, bf16_model: Any, candidate: Any, report: Callable[[float], None]
+) -> tuple[ParityReport, TaskReport | None]:
     """Parity with the BF16 merged model, and the adapter's own task on both, where it has one."""
-    config, progress = state.config, state.progress
+
+    def part(start: float, end: float) -> Callable[[float], None]:
+        return lambda f: report(start + (end - start) * f)
+
+    config = state.config
     assert state.corpus is not None
     eval_file = config.eval_file or _adapter_eval_file(config.adapter_dir)
-    parity_end = 0.6 if eval_file is not None else 1.0
+    parity_end = 0.5 if eval_file is not None else 1.0
     behaviour = parity.token_parity(
-        bf16_model, candidate, state.corpus.parity, config.continuation_tokens, progress.sub(0.2, parity_end)
+        bf16_model, candidate, state.corpus.parity, config.continuation_tokens, part(0.0, parity_end)
     )
     if eval_file is None:
         return behaviour, None
-    bf16_score, n = parity.task_success(bf16_model, state.tokenizer, eval_file, progress.sub(0.6, 0.8))
-    quant_score, _ = parity.task_success(candidate, state.tokenizer, eval_file, progress.sub(0.8, 1.0))
+    bf16_score, n = parity.task_success(bf16_model, state.tokenizer, eval_file, part(0.5, 0.75))
+    quant_score, _ = parity.task_success(candidate, state.tokenizer, eval_file, part(0.75, 1.0))
     return behaviour, TaskReport(prompts=n, bf16_success=bf16_score, quantized_success=quant_score)
 
 

@@ -11,6 +11,7 @@ and E2M1 ties; the global scales lie above, at and far below the tensor's own am
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import pytest
@@ -79,3 +80,62 @@ def test_input_quantizers_run_the_engines_arithmetic(vectors: dict[str, torch.Te
     assert torch.equal(engine.nvfp4_global_scale_of(quantizer.amax), vectors["nvfp4.1.global_scale"].reshape(()))
     got = backend.InputBackend()(vectors["x"], quantizer)
     assert torch.equal(got, vectors["nvfp4.1.out"])
+
+
+# --- MXFP4 on Blackwell: FlashInfer's kernel, branch by branch -------------------------------------
+# (flashinfer/quantization/kernels/mxfp4_quantize.py with quantization_cute_dsl_utils.py, 0.7.2.post1,
+# the version vLLM 0.33.0 requires: scale = amax * (1/6) rounded up to a power of two by its bits,
+# values times the scale's exact inverse, cvt.rn.satfinite to E2M1.)
+
+
+def _block(*values: float) -> torch.Tensor:
+    x = torch.zeros(1, 32, dtype=torch.bfloat16)
+    x[0, : len(values)] = torch.tensor(values)
+    return x
+
+
+@pytest.mark.parametrize(
+    ("block", "expected"),
+    [
+        # amax 6: amax/6 is a power of two, no mantissa bit, so no rounding up: scale 1. Ties go to
+        # the even code (0.25 -> 0, 0.75 -> 1, 2.5 -> 2, 5 -> 4), unlike ModelOpt's ties down.
+        ((6.0, 0.25, 0.75, 2.5, 5.0, -1.75), (6.0, 0.0, 1.0, 2.0, 4.0, -2.0)),
+        # amax 6.5: amax/6 just above 1 rounds up to scale 2, and 6.5/2 = 3.25 -> 3.
+        ((6.5, 1.0, 0.5), (6.0, 1.0, 0.0)),
+        # All zero: scale code 0, inverse 0, the block stays zero.
+        ((), ()),
+        # amax/6 a subnormal at most half the smallest normal: code 0, the block is zeroed.
+        ((6 * 2.0**-130,), (0.0,)),
+        # amax/6 = 1.5 * 2**-127, a subnormal above half: rounds up to the smallest normal, 2**-126,
+        # and 4.5 steps of it round to 4.
+        ((9 * 2.0**-127,), (4 * 2.0**-126,)),
+    ],
+)
+def test_mxfp4_inputs_follow_flashinfers_kernel(block: tuple[float, ...], expected: tuple[float, ...]) -> None:
+    got = engine.mxfp4_activations(_block(*block))
+    assert got.dtype == torch.bfloat16
+    assert torch.equal(got, _block(*expected)), got[0, : len(block)]
+
+
+def test_mxfp4_scale_is_amax_over_6_rounded_up_to_a_power_of_two() -> None:
+    """The bit-level rounding equals ceil(log2(v)) + 127 in exact arithmetic, where floating-point
+    log2 (ModelOpt's weights) is off by one just above a power of two."""
+    generator = torch.Generator().manual_seed(0)
+    exponents = torch.randint(-120, 120, (4096,), generator=generator).double()
+    v = (torch.rand(4096, generator=generator, dtype=torch.float64) + 1).mul(2.0**exponents).float()
+    v[:8] = torch.tensor([1.0, 2.0**-100, 0.5, 3.0, 2.0**100, 1.0 + 2.0**-23, (1.0 + 2.0**-23) * 2.0**-40, 7.0])
+    exact = torch.tensor([math.ceil(math.log2(float(value))) + 127 for value in v])
+    assert torch.equal(engine._ue8m0_round_up(v).long(), exact)
+    just_above = torch.tensor([(1.0 + 2.0**-23) * 2.0**-40])
+    assert torch.ceil(torch.log2(just_above)) == -40  # float32 log2 loses the bit that rounds it up
+
+
+def test_mxfp4_inputs_differ_from_modelopts_weight_arithmetic_only_at_ties() -> None:
+    x = torch.randn(64, 512, generator=torch.Generator().manual_seed(1)).mul(3).bfloat16()
+    ours, modelopt = engine.mxfp4_activations(x), numerics.mxfp4_fake_quant.eager(x, 32)
+    differ = ours != modelopt
+    assert 0 < int(differ.sum()) < x.numel() // 50
+    # Where they differ, x sat exactly halfway between two E2M1 steps of its block's scale.
+    step = (ours.float() - modelopt.float()).abs()[differ]
+    half = (x.float() - modelopt.float()).abs()[differ]
+    assert torch.equal(half * 2, step)

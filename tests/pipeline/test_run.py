@@ -62,7 +62,10 @@ def test_it_prepares_a_checkpoint_engines_load_as_is(
         llama_base, tmp_path / "adapter", targets=["q_proj", "k_proj", "v_proj", "o_proj"], b_scale=0.05
     )
     out = tmp_path / "out"
-    result = run_tiny(llama_base, out, quantization, adapter_dir=adapter, calibration_file=calibration_file)
+    result = run_tiny(
+        llama_base, out, quantization, adapter_dir=adapter, calibration_file=calibration_file,
+        serving_hardware=["NVIDIA H200", "NVIDIA B200", "NVIDIA RTX PRO 6000 Blackwell"],
+    )
 
     config = json.loads((out / "config.json").read_text())
     for key, value in FORMATS[quantization].items():
@@ -128,6 +131,18 @@ def test_it_prepares_a_checkpoint_engines_load_as_is(
     assert lineage["recipe"]["activation_arithmetic"] == (None if quantization == "mxfp4" else "vLLM 0.33.0")
     assert lineage["tools"]["nvidia-modelopt"] == importlib.metadata.version("nvidia-modelopt")
     assert lineage["metrics"]["parity"] == dataclasses.asdict(parity)  # the record is the result
+    # Where the engine computes other than the checkpoint declares (MXFP4 on Blackwell: W4A4), the
+    # run measured it that way too, on the same prompts; elsewhere nothing more.
+    if quantization == "mxfp4":
+        (served,) = result.serving
+        assert served.numerics == "mxfp4-w4a4"
+        assert served.hardware == ["NVIDIA B200", "NVIDIA RTX PRO 6000 Blackwell"]
+        assert served.parity.prompts == parity.prompts and served.parity.answer_tokens == parity.answer_tokens
+        assert served.parity.answer_kl != parity.answer_kl
+        assert served.misses == [] and "| Served on NVIDIA B200, NVIDIA RTX PRO 6000 Blackwell: top-1" in card
+        assert any(c.startswith("served on NVIDIA B200, NVIDIA RTX PRO 6000 Blackwell: vLLM 0.33") for c in result.checks)
+    else:
+        assert result.serving == []
     assert not any(p.name.startswith(".fp4prep-") for p in tmp_path.iterdir())
 
 

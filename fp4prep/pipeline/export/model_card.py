@@ -22,21 +22,24 @@ SERVING = {
     "nvfp4": [
         "vLLM reads this layout (ModelOpt's unified checkpoint, `quant_algo: NVFP4`) as it is:",
         "`vllm serve <this directory>`. Weights and activations are FP4 (W4A4); the parity above was",
-        "measured with each layer's input quantized exactly as vLLM 0.33 quantizes it.",
-        "TensorRT-LLM (`trtllm-serve`) and SGLang (`--quantization modelopt_fp4`) read ModelOpt's",
-        "layout too; fp4prep has not checked their loaders.",
+        "measured with each layer's input quantized exactly as vLLM 0.33 quantizes it. SGLang 0.5.23's",
+        "loader takes the same config and tensors (`--quantization modelopt_fp4`; its activation",
+        "arithmetic not checked); TensorRT-LLM reads ModelOpt's layout, its loader not checked.",
     ],
     "mxfp4": [
         "vLLM reads this layout (compressed-tensors, `mxfp4-pack-quantized`) as it is:",
-        "`vllm serve <this directory>`. The checkpoint is weights-only; vLLM runs it so on Hopper",
-        "(Marlin, BF16 activations), which the parity above measures. On Blackwell with FlashInfer",
-        "vLLM 0.33 quantizes the activations to MXFP4 too, which this report does not measure.",
+        "`vllm serve <this directory>`. The checkpoint declares weights-only; vLLM 0.33 runs it so on",
+        "Hopper (Marlin, BF16 activations), which the parity above measures, and W4A4 on Blackwell",
+        "(FlashInfer quantizes each layer's input to MXFP4): where the job was told its GPUs, a",
+        "\"Served on\" row above gives its figures measured that way. SGLang 0.5.23 has no scheme for",
+        "MXFP4 dense layers (\"No compressed-tensors compatible scheme was found\").",
     ],
     "fp8": [
         "vLLM reads this layout (ModelOpt's unified checkpoint, `quant_algo: FP8_PER_CHANNEL_PER_TOKEN`)",
         "as it is: `vllm serve <this directory>`; per-channel FP8 weights, activations quantized per",
-        "token exactly as the parity above measured them. TensorRT-LLM reads this layout too; SGLang's",
-        "ModelOpt FP8 path expects per-tensor weight scales and is not known to load it.",
+        "token exactly as the parity above measured them. SGLang 0.5.23 refuses it (its ModelOpt FP8",
+        "path takes `quant_algo: FP8` only, with per-tensor scales); TensorRT-LLM reads ModelOpt's",
+        "layout, its loader not checked by fp4prep.",
     ],
 }
 

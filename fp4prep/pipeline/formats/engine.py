@@ -15,11 +15,18 @@ through these functions, which follow vLLM's reference arithmetic, the one its k
   stored ``input_global_scale`` as it is for compressed-tensors'
   (``compressed_tensors/schemes/compressed_tensors_w4a4_nvfp4.py``);
 - FP8 per token: ``QuantFP8.forward_native`` in
-  ``vllm/model_executor/layers/quantization/input_quant_fp8.py``.
+  ``vllm/model_executor/layers/quantization/input_quant_fp8.py``;
+- MXFP4 on Blackwell GPUs (compute capability 10 and up), where vLLM runs an MXFP4 checkpoint W4A4
+  whatever its config says (``FlashInferMxFp4LinearKernel`` in
+  ``vllm/model_executor/kernels/linear/mxfp4/flashinfer.py``): FlashInfer 0.7.2.post1's
+  ``mxfp4_quantize(backend="cute-dsl")``, the kernel in ``flashinfer/quantization/kernels/mxfp4_quantize.py``
+  with its helpers in ``quantization_cute_dsl_utils.py``. On other GPUs vLLM runs it weights-only
+  (Marlin) and the input stays BF16.
 
-``tests/pipeline/test_engine_numerics.py`` holds vLLM's own outputs for these functions on random
-tensors (written by ``benchmarks/engine_check.py --vectors`` with vLLM installed) and requires equal
-values.
+``tests/pipeline/test_engine_numerics.py`` holds vLLM's own outputs for the NVFP4 and FP8 functions
+on random tensors (written by ``benchmarks/engine_check.py vectors`` with vLLM installed) and
+requires equal values. FlashInfer's MXFP4 kernel runs only on a Blackwell GPU, so its function is
+checked against the kernel's arithmetic case by case (each branch of its scale rounding).
 """
 
 from __future__ import annotations
@@ -76,3 +83,40 @@ def fp8_per_token_activations(x: torch.Tensor) -> torch.Tensor:
     scale = (x_max / E4M3_MAX).clamp(min=FP8_MIN_SCALE)
     q = (x.float() * scale.reciprocal()).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
     return (q.float() * scale).to(x.dtype)
+
+
+MXFP4_BLOCK = 32
+ONE_SIXTH = torch.tensor(1.0 / E2M1_MAX, dtype=torch.float32)  # FlashInfer: rcp.approx of 6
+
+
+def _ue8m0_round_up(v: torch.Tensor) -> torch.Tensor:
+    """FlashInfer's ``float_to_ue8m0_fast`` (``cvt`` to E8M0 rounding toward +inf), on float32 bits:
+    the biased exponent, plus one where any mantissa bit is set (not for a subnormal at most half
+    the smallest normal), at most 254; zero for zero."""
+    bits = v.contiguous().view(torch.int32)
+    exponent, mantissa = (bits >> 23) & 255, bits & 0x7FFFFF
+    bump = (mantissa != 0) & ~((exponent == 0) & (mantissa <= 0x400000))
+    return torch.where(v <= 0, 0, (exponent + bump.int()).clamp(max=254))
+
+
+def _exponent_float(biased: torch.Tensor) -> torch.Tensor:
+    """2 ** (biased - 127) for biased exponents 1..254, built from the bits (zero for 0)."""
+    return (biased.int() << 23).view(torch.float32)
+
+
+def mxfp4_activations(x: torch.Tensor) -> torch.Tensor:
+    """An MXFP4 layer's input as vLLM on a Blackwell GPU quantizes and dequantizes it, in ``x``'s dtype.
+
+    Per block of 32: ``amax × (1/6)`` rounded *up* to a power of two (the UE8M0 scale), the values
+    multiplied by its exact inverse, rounded to E2M1 half to even with saturation at ±6, then times
+    the scale. An all-zero block (scale code 0) stays zero. ModelOpt's MXFP4 weights differ in two
+    places: ``ceil(log2(amax / 6))`` in floating point, and ties rounded down.
+    """
+    blocks = x.reshape(-1, x.shape[-1] // MXFP4_BLOCK, MXFP4_BLOCK)
+    amax = blocks.abs().amax(dim=-1, keepdim=True).float()
+    code = _ue8m0_round_up(amax * ONE_SIXTH)
+    # The kernel's inverse scale: 2 ** (127 - code), from the bits; 0 when the code is 0.
+    inverse = torch.where(code == 0, 0.0, _exponent_float((254 - code).clamp(min=0)))
+    values = e2m1_round(blocks.float() * inverse)
+    out = values * _exponent_float(code)
+    return out.reshape(x.shape).to(x.dtype)

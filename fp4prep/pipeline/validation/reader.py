@@ -18,7 +18,12 @@ import torch
 
 from ..device import Compute
 from ..formats import declared
-from ..formats.engine import fp8_per_token_activations, nvfp4_activations, nvfp4_global_scale
+from ..formats.engine import (
+    fp8_per_token_activations,
+    mxfp4_activations,
+    nvfp4_activations,
+    nvfp4_global_scale,
+)
 from ..formats.numerics import (
     E4M3_MAX,
     dequantize_fp8,
@@ -30,6 +35,7 @@ from ..formats.numerics import (
 from ..model import streaming
 from ..model.lazy import LazyWeights
 from ..model.safetensors import TensorSource, read_config
+from ..serving import MXFP4_W4A4
 
 # An activation quantizer is a function applied to a Linear's input.
 ActivationQuant = Callable[[torch.Tensor], torch.Tensor]
@@ -43,10 +49,14 @@ class DequantizedWeights(LazyWeights):
     """A quantized checkpoint's weights, dense, each dequantized when it is read.
 
     ``activations`` holds, per quantized module, the activation quantization a serving engine
-    applies to its input (from the stored input scales).
+    applies to its input (from the stored input scales); ``numerics`` names the engine's numerics
+    where they are not the declared ones (``serving.EngineNumerics.key``).
     """
 
-    def __init__(self, directory: Path, dtype: torch.dtype = torch.bfloat16, device: torch.device | str = "cpu") -> None:
+    def __init__(
+        self, directory: Path, dtype: torch.dtype = torch.bfloat16, device: torch.device | str = "cpu", numerics: str | None = None
+    ) -> None:
+        self.numerics = numerics
         self.config = read_config(directory)
         self.declared = declared(self.config)
         self.source = TensorSource(directory)
@@ -95,6 +105,8 @@ class DequantizedWeights(LazyWeights):
             # compressed-tensors stores the engine's global scale itself, ModelOpt its reciprocal.
             scale = stored.max() if layout.reciprocal_globals else nvfp4_global_scale(stored)
             return partial(nvfp4_activations, global_scale=scale.to(self.device), block_size=fmt.block_size)
+        if fmt.block_scale == "e8m0" and self.numerics == MXFP4_W4A4.key:
+            return mxfp4_activations
         if fmt.block_scale == "e8m0":
             return partial(mxfp4_fake_quant, block_size=fmt.block_size) if self.declared.dynamic_inputs else None
         if self.declared.dynamic_inputs:
@@ -130,9 +142,12 @@ def _quantized_experts_forward(
     return forward
 
 
-def load(directory: Path, compute: Compute, quantize_activations: bool = True) -> torch.nn.Module:
-    """The checkpoint as a model that computes what a serving engine computes, one layer at a time."""
-    weights = DequantizedWeights(directory, compute.dtype, compute.device)
+def load(
+    directory: Path, compute: Compute, quantize_activations: bool = True, numerics: str | None = None
+) -> torch.nn.Module:
+    """The checkpoint as a model that computes what a serving engine computes, one layer at a time
+    (in ``numerics`` where given: the engine's on hardware that runs other than declared)."""
+    weights = DequantizedWeights(directory, compute.dtype, compute.device, numerics)
     activations = weights.activations if quantize_activations else {}
 
     def engine_numerics(model: torch.nn.Module) -> None:

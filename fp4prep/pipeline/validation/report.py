@@ -66,7 +66,35 @@ def headline(report: dict[str, Any]) -> list[str]:
             f"adapter task: {task['bf16_success']:.0%} (BF16 merged) -> {task['quantized_success']:.0%} "
             f"({_format(report)}, {task['prompts']} prompts)"
         )
+    for served in report.get("serving") or []:
+        lines.append(f"served on {_hardware(served)}: {_serving_summary(served)}")
     return lines
+
+
+def _hardware(served: dict[str, Any]) -> str:
+    return ", ".join(dict.fromkeys(served["hardware"]))
+
+
+def _serving_summary(served: dict[str, Any]) -> str:
+    """One profile's figures where the engine computes other than declared, and what they mean."""
+    p, task = served["parity"], served.get("task")
+    figures = f"on answers top-1 {p['answer_top1']:.3f}, KL {p['answer_kl']:.4f}; top-1 on the BF16 model's continuations {p['continuation_top1']:.3f}"
+    if task:
+        figures += f"; adapter task {task['quantized_success']:.0%}"
+    verdict = (
+        "misses the thresholds (" + "; ".join(served["misses"]) + ")" + (f"; serve it there with {served['as_declared_flag']}" if served.get("as_declared_flag") else "")
+        if served["misses"] else "within the thresholds"
+    )
+    return f"{served['description']}: {figures}; {verdict}"
+
+
+def serving_note(report: dict[str, Any], hardware: str) -> str:
+    """What serving on ``hardware`` runs differently from the checkpoint's declared numerics, with
+    the figures the run measured there; empty where nothing differs or the run did not measure it."""
+    for served in report.get("serving") or []:
+        if hardware in served["hardware"]:
+            return _serving_summary(served)
+    return ""
 
 
 def figures(report: dict[str, Any]) -> list[Figure]:
@@ -95,6 +123,10 @@ def figures(report: dict[str, Any]) -> list[Figure]:
     if "reload_max_logit_diff" in report:
         rows.append(Figure("Independent reload, max logit difference", f"{report['reload_max_logit_diff']:.2e}",
                            "the checkpoint read back by fp4prep's own reader vs the calibrated model"))
+    for served in report.get("serving") or []:
+        p = served["parity"]
+        rows.append(Figure(f"Served on {_hardware(served)}: top-1 / KL on assistant turns",
+                           f"{p['answer_top1']:.4f} / {p['answer_kl']:.4f}", _serving_summary(served)))
     return rows + _run_figures(report)
 
 

@@ -262,15 +262,31 @@ def test_the_revision_page_gives_the_exact_vllm_command(people: People, catalogu
     assert "W4A4" not in html  # NVFP4 runs on every profile as its parity measured it
 
 
-def test_an_mxfp4_revision_on_blackwell_says_vllm_quantizes_its_activations(people: People, catalogue: Any) -> None:
+def test_an_mxfp4_revision_on_blackwell_shows_what_vllm_computes_there(people: People, catalogue: Any) -> None:
+    """vLLM 0.33 runs MXFP4 W4A4 on Blackwell: the page gives the job's figures measured that way,
+    and where they miss the bar, the setting that makes vLLM run the linear layers weights-only."""
+    from fp4prep.pipeline.serving import MXFP4_W4A4
     from registry.models import DeploymentProfile
 
     for name, hardware in (("Hopper", "NVIDIA H200"), ("Blackwell", "NVIDIA B200")):
         DeploymentProfile.objects.create(supported_base=catalogue, name=name, hardware=hardware, gpu_count=8, quantization="mxfp4")
     model = Model.objects.create(project=people.project_a, kind="prepared", name="bot (MXFP4)", base_model="tests/tiny-llama-mxfp4", supported_base=catalogue)
-    revision = Revision.objects.create(model=model, number=1, path="p", size_bytes=1, sha256="0" * 64, metadata={"quantization": "mxfp4"})
-    html = people.alice.web.get(f"/projects/{people.project_a.id}/models/{model.id}/revisions/{revision.id}/").content.decode()
-    sections = {part.split(" ", 1)[0]: part for part in html.split('<div class="panel" id="serve">')[1].split("<h3>")[1:]}
-    hopper, blackwell = sections["Hopper"], sections["Blackwell"]
-    assert "--quantization compressed-tensors" in hopper and "W4A4" not in hopper
-    assert "vLLM 0.33 quantizes this checkpoint&#x27;s activations to MXFP4 as well (W4A4" in blackwell
+    parity = {"answer_top1": 0.801, "answer_kl": 0.972, "continuation_top1": 0.77}
+    served = {"numerics": "mxfp4-w4a4", "description": "vLLM 0.33 on Blackwell quantizes inputs too (W4A4)", "hardware": ["NVIDIA B200"],
+              "parity": parity, "task": None, "misses": ["mean KL on the assistant turns 0.972 > 0.5"],
+              "as_declared_flag": MXFP4_W4A4.as_declared_flag}
+    pages = {}
+    for number, metadata in enumerate(({"quantization": "mxfp4"}, {"quantization": "mxfp4", "report": {"serving": [served]}}), 1):
+        revision = Revision.objects.create(model=model, number=number, path="p", size_bytes=1, sha256="0" * 64, metadata=metadata)
+        html = people.alice.web.get(f"/projects/{people.project_a.id}/models/{model.id}/revisions/{revision.id}/").content.decode()
+        pages[number] = {part.split(" ", 1)[0]: part for part in html.split('<div class="panel" id="serve">')[1].split("<h3>")[1:]}
+    for sections in pages.values():
+        assert "--quantization compressed-tensors" in sections["Hopper"] and "W4A4" not in sections["Hopper"]
+    # A revision whose job did not measure it says what vLLM does there, and that it was not measured.
+    assert "not measured that way" in pages[1]["Blackwell"] and "--kernel-config" not in pages[1]["Blackwell"]
+    blackwell = pages[2]["Blackwell"]
+    assert "On NVIDIA B200: vLLM 0.33 on Blackwell quantizes inputs too (W4A4): on answers top-1 0.801, KL 0.9720" in blackwell
+    assert "misses the thresholds (mean KL on the assistant turns 0.972 &gt; 0.5)" in blackwell
+    flag = "--kernel-config &#x27;{&quot;linear_backend_per_quant&quot;: {&quot;mxfp4&quot;: &quot;marlin&quot;}}&#x27;"
+    assert f"--served-model-name &#x27;bot (MXFP4)&#x27; \\\n    {flag}</code>" in blackwell
+    assert "routed experts of a mixture-of-experts model stay W4A4" in blackwell
