@@ -49,7 +49,7 @@ def scramble(checkpoint: Path, target: Path, layer: int) -> Path:
 def measure(task: str, layers: list[int], quantization: str) -> list[dict[str, Any]]:
     from fp4prep import demo
     from fp4prep.pipeline import PipelineConfig, Thresholds, run
-    from fp4prep.pipeline.stages import parity_of
+    from fp4prep.pipeline.stages import parity_of, parity_reference
 
     assets = demo.build(task=demo.TASKS[task])
     anything = Thresholds(continuation_top1=0, answer_kl=1e9, identical_greedy=0, adapter_retention=-1e9,
@@ -62,11 +62,13 @@ def measure(task: str, layers: list[int], quantization: str) -> list[dict[str, A
         sound = run(config)
         rows.append({"task": task, "checkpoint": "sound", **asdict(sound.parity)})
         base_only = run(PipelineConfig(output_dir=Path(tmp) / "base-only", **common))
-        rows.append({"task": task, "checkpoint": "adapter lost", **asdict(parity_of(config, base_only.output_dir))})
+        reference = parity_reference(config)  # the BF16 merged model's side, once for every checkpoint
+        rows.append({"task": task, "checkpoint": "adapter lost",
+                     **asdict(parity_of(config, base_only.output_dir, reference))})
         for layer in layers:
             broken = scramble(sound.output_dir, Path(tmp) / f"layer{layer}", layer)
             rows.append({"task": task, "checkpoint": f"layer {layer} down_proj scrambled",
-                         **asdict(parity_of(config, broken))})
+                         **asdict(parity_of(config, broken, reference))})
             shutil.rmtree(broken)
             print(json.dumps(rows[-1]), flush=True)
     return rows

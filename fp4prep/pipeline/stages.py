@@ -96,16 +96,22 @@ def run(config: PipelineConfig) -> PipelineResult:
     return result
 
 
-def parity_of(config: PipelineConfig, checkpoint: Path) -> ParityReport:
-    """Parity of an existing ``checkpoint`` with the BF16 merged model of ``config``'s base and
-    adapter, on the held-back examples a run with ``config`` validates on (damage studies, audits)."""
+def parity_reference(config: PipelineConfig) -> parity.Reference:
+    """The BF16 merged model of ``config``'s base and adapter on the held-back examples a run with
+    ``config`` validates on: the side of parity every checkpoint is measured against."""
     examples = _corpus(config, _tokenizer(config.base_dir)).parity
     compute = device_mod.resolve(config.device)
     adapter = load_adapter(config.adapter_dir) if config.adapter_dir else None
     merged = MergedWeights(TensorSource(config.base_dir), adapter, compute.dtype, compute.device)
-    reference = streaming.build(read_config(config.base_dir), merged, compute, config.base_dir)
-    candidate = reader.load(checkpoint, compute)
-    return parity.token_parity(reference, candidate, examples, config.continuation_tokens)
+    model = streaming.build(read_config(config.base_dir), merged, compute, config.base_dir)
+    return parity.reference_of(model, examples, config.continuation_tokens)
+
+
+def parity_of(config: PipelineConfig, checkpoint: Path, reference: parity.Reference | None = None) -> ParityReport:
+    """Parity of an existing ``checkpoint`` with the BF16 merged model of ``config`` (damage studies,
+    audits); ``reference`` is ``parity_reference(config)`` where the caller measures several."""
+    reference = reference or parity_reference(config)
+    return parity.compare(reference, reader.load(checkpoint, device_mod.resolve(config.device)))
 
 
 def _merge(state: _Run) -> None:
@@ -203,22 +209,25 @@ def _validate(state: _Run) -> PipelineResult:
         progress.update(0.2)
         bf16_model = streaming.build(read_config(config.base_dir), merged, compute, config.base_dir)
         profiles = serving.profiles_to_measure(recipe.name, config.serving_hardware)
-        split = 1.0 if not profiles else 0.6
-        behaviour, task = _behaviour(state, bf16_model, candidate, progress.sub(0.2, split))
+        # The BF16 side once (its continuations, hidden states and task score), then each candidate:
+        # the checkpoint as declared, and as the engine computes it on each profile that differs.
+        share = 0.8 / (len(profiles) + 2)
+        bf16 = _bf16_side(state, bf16_model, progress.sub(0.2, 0.2 + share))
+        measured = [_behaviour(state, bf16, candidate, progress.sub(0.2 + share, 0.2 + 2 * share))]
         del candidate
-        thresholds = config.thresholds or recipe.thresholds
-        served = []
-        for i, (numerics, hardware) in enumerate(profiles):
-            # The same checkpoint as the engine computes it on that hardware.
-            share = (1.0 - split) / len(profiles)
+        for i, (numerics, _) in enumerate(profiles, 2):
             there = reader.load(out, compute, numerics=numerics.key)
-            p, t = _behaviour(state, bf16_model, there, progress.sub(split + i * share, split + (i + 1) * share))
-            served.append(ServingReport(
+            measured.append(_behaviour(state, bf16, there, progress.sub(0.2 + i * share, 0.2 + (i + 1) * share)))
+            del there
+        del bf16_model, bf16
+        (behaviour, task), thresholds = measured[0], config.thresholds or recipe.thresholds
+        served = [
+            ServingReport(
                 numerics=numerics.key, description=numerics.description, hardware=hardware, parity=p, task=t,
                 misses=gate.misses(thresholds, p, 0.0, None), as_declared_flag=numerics.as_declared_flag,
-            ))
-            del there
-        del bf16_model
+            )
+            for (numerics, hardware), (p, t) in zip(profiles, measured[1:], strict=True)
+        ]
         missed = gate.misses(thresholds, behaviour, reload_diff, kept)
         if missed and config.quality_gate:
             raise PipelineError("the checkpoint missed its quality thresholds: " + "; ".join(missed))
@@ -236,26 +245,41 @@ def _validate(state: _Run) -> PipelineResult:
     return result
 
 
-def _behaviour(
-    state: _Run, bf16_model: Any, candidate: Any, report: Callable[[float], None]
-) -> tuple[ParityReport, TaskReport | None]:
-    """Parity with the BF16 merged model, and the adapter's own task on both, where it has one."""
+@dataclass
+class _Bf16Side:
+    reference: parity.Reference
+    eval_file: Path | None
+    task_success: float = 0.0
+    task_prompts: int = 0
 
-    def part(start: float, end: float) -> Callable[[float], None]:
-        return lambda f: report(start + (end - start) * f)
 
+def _bf16_side(state: _Run, bf16_model: Any, report: Callable[[float], None]) -> _Bf16Side:
+    """What the BF16 merged model does on the parity examples and the adapter's own task."""
     config = state.config
     assert state.corpus is not None
     eval_file = config.eval_file or _adapter_eval_file(config.adapter_dir)
-    parity_end = 0.5 if eval_file is not None else 1.0
-    behaviour = parity.token_parity(
-        bf16_model, candidate, state.corpus.parity, config.continuation_tokens, part(0.0, parity_end)
+    parity_end = 0.6 if eval_file is not None else 1.0
+    reference = parity.reference_of(
+        bf16_model, state.corpus.parity, config.continuation_tokens, lambda f: report(parity_end * f)
     )
-    if eval_file is None:
+    side = _Bf16Side(reference, eval_file)
+    if eval_file is not None:
+        side.task_success, side.task_prompts = parity.task_success(
+            bf16_model, state.tokenizer, eval_file, lambda f: report(0.6 + 0.4 * f)
+        )
+    return side
+
+
+def _behaviour(
+    state: _Run, bf16: _Bf16Side, candidate: Any, report: Callable[[float], None]
+) -> tuple[ParityReport, TaskReport | None]:
+    """Parity with the BF16 merged model, and the adapter's own task on both, where it has one."""
+    parity_end = 0.6 if bf16.eval_file is not None else 1.0
+    behaviour = parity.compare(bf16.reference, candidate, lambda f: report(parity_end * f))
+    if bf16.eval_file is None:
         return behaviour, None
-    bf16_score, n = parity.task_success(bf16_model, state.tokenizer, eval_file, part(0.5, 0.75))
-    quant_score, _ = parity.task_success(candidate, state.tokenizer, eval_file, part(0.75, 1.0))
-    return behaviour, TaskReport(prompts=n, bf16_success=bf16_score, quantized_success=quant_score)
+    score, _ = parity.task_success(candidate, state.tokenizer, bf16.eval_file, lambda f: report(0.6 + 0.4 * f))
+    return behaviour, TaskReport(prompts=bf16.task_prompts, bf16_success=bf16.task_success, quantized_success=score)
 
 
 def _total_tokens(config: PipelineConfig) -> int:

@@ -16,7 +16,7 @@ from safetensors.torch import load_file, save_file
 
 from fp4prep import demo
 from fp4prep.pipeline import RECIPES, ParityReport, PipelineConfig, Thresholds, run
-from fp4prep.pipeline.stages import parity_of
+from fp4prep.pipeline.stages import parity_of, parity_reference
 from fp4prep.pipeline.validation import gate
 from registry.catalogue import CATALOGUE
 from tests.conftest import DemoJob
@@ -38,12 +38,20 @@ def prepared(demo_job: DemoJob) -> Path:
     return demo_job.checkpoint
 
 
-def parity_against_the_merged_model(assets: demo.DemoAssets, checkpoint: Path) -> Any:
-    """Parity of ``checkpoint`` with the BF16 merged model on the held-back demo conversations,
-    the examples and settings the pipeline's own validation uses."""
-    config = PipelineConfig(base_dir=assets.base_dir, output_dir=checkpoint, adapter_dir=assets.adapter_dir,
-                            calibration_file=assets.calibration_file, device="cpu")
-    return parity_of(config, checkpoint)
+def merged_model_config(assets: demo.DemoAssets) -> PipelineConfig:
+    return PipelineConfig(base_dir=assets.base_dir, output_dir=Path("unused"), adapter_dir=assets.adapter_dir,
+                          calibration_file=assets.calibration_file, device="cpu")
+
+
+@pytest.fixture(scope="module")
+def reference(assets: demo.DemoAssets) -> Any:
+    """The BF16 merged model's side of parity on the held-back demo conversations (the examples and
+    settings the pipeline's own validation uses), computed once for the checkpoints below."""
+    return parity_reference(merged_model_config(assets))
+
+
+def parity_against_the_merged_model(assets: demo.DemoAssets, checkpoint: Path, reference: Any) -> Any:
+    return parity_of(merged_model_config(assets), checkpoint, reference)
 
 
 def parity_misses(report: Any) -> list[str]:
@@ -60,7 +68,7 @@ def test_a_sound_checkpoint_clears_the_catalogue_thresholds(prepared: Path) -> N
     assert lineage["quality_gate"] == {"enforced": True, "misses": []}
 
 
-def test_a_checkpoint_that_lost_the_adapter_fails_on_parity(assets: demo.DemoAssets, tmp_path: Path) -> None:
+def test_a_checkpoint_that_lost_the_adapter_fails_on_parity(assets: demo.DemoAssets, reference: Any, tmp_path: Path) -> None:
     # The base alone, quantized: a sound checkpoint of the wrong model.
     # Calibrated on less and self-checked on fewer prompts than a real run: what this test measures
     # is the parity against the merged model below.
@@ -71,12 +79,12 @@ def test_a_checkpoint_that_lost_the_adapter_fails_on_parity(assets: demo.DemoAss
     run(PipelineConfig(base_dir=assets.base_dir, output_dir=out, calibration_file=assets.calibration_file,
                        calibration_tokens=2048, parity_prompts=4, quality_gate=False, device="cpu",
                        recipe=max_calibrated))
-    missed = parity_misses(parity_against_the_merged_model(assets, out))
+    missed = parity_misses(parity_against_the_merged_model(assets, out, reference))
     assert any("continuations" in m for m in missed) and any("assistant turns" in m for m in missed), missed
 
 
 def test_a_checkpoint_with_one_corrupted_layer_fails_on_parity(
-    assets: demo.DemoAssets, prepared: Path, tmp_path: Path
+    assets: demo.DemoAssets, reference: Any, prepared: Path, tmp_path: Path
 ) -> None:
     broken = tmp_path / "broken"
     shutil.copytree(prepared, broken)
@@ -86,5 +94,5 @@ def test_a_checkpoint_with_one_corrupted_layer_fails_on_parity(
     name = "model.layers.12.mlp.down_proj.weight"
     tensors[name] = torch.flip(tensors[name], dims=[0]).contiguous()
     save_file(tensors, str(shard), metadata={"format": "pt"})
-    missed = parity_misses(parity_against_the_merged_model(assets, broken))
+    missed = parity_misses(parity_against_the_merged_model(assets, broken, reference))
     assert missed, "a scrambled layer passed the parity thresholds"

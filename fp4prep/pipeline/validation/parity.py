@@ -207,6 +207,42 @@ def _positions(length: int, spans: list[tuple[int, int]]) -> torch.Tensor:
     return torch.tensor(rows, dtype=torch.long)
 
 
+@dataclass
+class Reference:
+    """The BF16 model's side of parity, computed once for every candidate measured against it: its
+    greedy continuations of the held-back prompts and its final hidden states over the whole
+    conversations and over those continuations."""
+
+    model: Any
+    examples: list[ParityExample]
+    continuation_tokens: int
+    expected: list[list[int]]
+    states: list[torch.Tensor]
+
+    @property
+    def prompts(self) -> list[list[int]]:
+        return [e.prompt_ids for e in self.examples]
+
+    @property
+    def sequences(self) -> list[list[int]]:
+        continued = [p + c for p, c in zip(self.prompts, self.expected, strict=True)]
+        return [e.input_ids for e in self.examples] + continued
+
+
+def reference_of(
+    model: torch.nn.Module,
+    examples: list[ParityExample],
+    continuation_tokens: int,
+    report: Callable[[float], None] = lambda f: None,
+) -> Reference:
+    expected = greedy(model, [e.prompt_ids for e in examples], continuation_tokens)
+    report(0.6)
+    continued = [e.prompt_ids + c for e, c in zip(examples, expected, strict=True)]
+    states = final_hidden_states(model, [e.input_ids for e in examples] + continued)
+    report(1.0)
+    return Reference(model, examples, continuation_tokens, expected, states)
+
+
 def token_parity(
     reference: torch.nn.Module,
     candidate: torch.nn.Module,
@@ -214,15 +250,17 @@ def token_parity(
     continuation_tokens: int,
     report: Callable[[float], None] = lambda f: None,
 ) -> ParityReport:
-    prompts = [e.prompt_ids for e in examples]
-    expected = greedy(reference, prompts, continuation_tokens)
+    ref = reference_of(reference, examples, continuation_tokens, lambda f: report(0.45 * f))
+    return compare(ref, candidate, lambda f: report(0.45 + 0.55 * f))
+
+
+def compare(ref: Reference, candidate: torch.nn.Module, report: Callable[[float], None] = lambda f: None) -> ParityReport:
+    """``candidate`` against the BF16 model's ``ref``: teacher-forced over whole conversations, their
+    answers and the BF16 model's continuations, then by decoding."""
+    examples, prompts, expected = ref.examples, ref.prompts, ref.expected
+    got_states = final_hidden_states(candidate, ref.sequences)
     report(0.3)
-    continued = [p + c for p, c in zip(prompts, expected, strict=True)]
-    sequences = [e.input_ids for e in examples] + continued
-    ref_states = final_hidden_states(reference, sequences)
-    report(0.45)
-    got_states = final_hidden_states(candidate, sequences)
-    report(0.6)
+    ref_states = ref.states
     n = len(examples)
     selections: dict[str, list[tuple[int, torch.Tensor]]] = {"whole": [], "answers": [], "continuations": []}
     for i, e in enumerate(examples):
@@ -232,18 +270,18 @@ def token_parity(
     for i, (prompt, tokens) in enumerate(zip(prompts, expected, strict=True)):
         selections["continuations"].append((n + i, _positions(len(prompt) + len(tokens), [(len(prompt), len(prompt) + len(tokens))])))
     tallies = {name: _Tally() for name in selections}
-    config: Any = reference.config
+    config: Any = ref.model.config
     chunk = max(1, LOGITS_BYTES // (4 * int(config.vocab_size)))
-    with output_head(reference) as reference_head, output_head(candidate) as candidate_head:
+    with output_head(ref.model) as reference_head, output_head(candidate) as candidate_head:
         for name, picks in selections.items():
             for index, rows in picks:
                 for start in range(0, len(rows), chunk):
                     part = rows[start : start + chunk]
-                    ref = reference_head(ref_states[index][part.to(ref_states[index].device)])
+                    got_ref = reference_head(ref_states[index][part.to(ref_states[index].device)])
                     got = candidate_head(got_states[index][part.to(got_states[index].device)])
-                    tallies[name].add(ref, got)
-    report(0.7)
-    got_continuations = greedy(candidate, prompts, continuation_tokens)
+                    tallies[name].add(got_ref, got)
+    report(0.45)
+    got_continuations = greedy(candidate, prompts, ref.continuation_tokens)
     report(1.0)
     identical = sum(a == b for a, b in zip(expected, got_continuations, strict=True))
     whole, answers, continuations = tallies["whole"], tallies["answers"], tallies["continuations"]
