@@ -139,3 +139,16 @@ def test_mxfp4_inputs_differ_from_modelopts_weight_arithmetic_only_at_ties() -> 
     step = (ours.float() - modelopt.float()).abs()[differ]
     half = (x.float() - modelopt.float()).abs()[differ]
     assert torch.equal(half * 2, step)
+
+
+def test_an_mxfp4_input_quantizer_runs_flashinfers_arithmetic() -> None:
+    """A recipe that calibrates with MXFP4 inputs (W4A4 as vLLM runs it on Blackwell) sees them as
+    FlashInfer quantizes them, not as ModelOpt's weight arithmetic would."""
+    from modelopt.torch.quantization.config import QuantizerAttributeConfig
+    from modelopt.torch.quantization.nn import TensorQuantizer
+
+    cfg = QuantizerAttributeConfig(num_bits=(2, 1), block_sizes={-1: 32, "type": "dynamic", "scale_bits": (8, 0)})
+    x = torch.randn(16, 256, generator=torch.Generator().manual_seed(2)).bfloat16()
+    got = backend.InputBackend()(x, TensorQuantizer(cfg))
+    assert torch.equal(got, engine.mxfp4_activations(x))
+    assert not torch.equal(got, numerics.mxfp4_fake_quant.eager(x, 32))

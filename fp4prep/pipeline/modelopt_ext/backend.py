@@ -19,7 +19,12 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ..formats.engine import fp8_per_token_activations, nvfp4_activations, nvfp4_global_scale_of
+from ..formats.engine import (
+    fp8_per_token_activations,
+    mxfp4_activations,
+    nvfp4_activations,
+    nvfp4_global_scale_of,
+)
 from ..formats.numerics import fp8_fake_quant, mxfp4_fake_quant, nvfp4_fake_quant
 
 if TYPE_CHECKING:
@@ -63,7 +68,10 @@ class InputBackend:
             return fp8_per_token_activations(inputs)
         block_size, scale_bits = _blocks(quantizer, inputs)
         if scale_bits == (8, 0):
-            return mxfp4_fake_quant(inputs, block_size)
+            # Only FlashInfer quantizes MXFP4 inputs in vLLM 0.33 (Blackwell), in blocks of 32.
+            if block_size != 32:
+                raise NotImplementedError(f"MXFP4 inputs come in blocks of 32, not {block_size}")
+            return mxfp4_activations(inputs)
         global_scale = nvfp4_global_scale_of(_amax(quantizer.amax, inputs))
         return self.recent.get_or_make(inputs, block_size, global_scale)
 

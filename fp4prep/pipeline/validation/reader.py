@@ -30,7 +30,6 @@ from ..formats.numerics import (
     dequantize_mxfp4,
     dequantize_nvfp4,
     fp8_fake_quant,
-    mxfp4_fake_quant,
 )
 from ..model import streaming
 from ..model.lazy import LazyWeights
@@ -105,10 +104,9 @@ class DequantizedWeights(LazyWeights):
             # compressed-tensors stores the engine's global scale itself, ModelOpt its reciprocal.
             scale = stored.max() if layout.reciprocal_globals else nvfp4_global_scale(stored)
             return partial(nvfp4_activations, global_scale=scale.to(self.device), block_size=fmt.block_size)
-        if fmt.block_scale == "e8m0" and self.numerics == MXFP4_W4A4.key:
-            return mxfp4_activations
         if fmt.block_scale == "e8m0":
-            return partial(mxfp4_fake_quant, block_size=fmt.block_size) if self.declared.dynamic_inputs else None
+            # Declared or not, MXFP4 inputs are quantized only where vLLM runs FlashInfer's W4A4.
+            return mxfp4_activations if self.numerics == MXFP4_W4A4.key or self.declared.dynamic_inputs else None
         if self.declared.dynamic_inputs:
             return fp8_per_token_activations
         if f"{module}.input_scale" in names:
