@@ -6,8 +6,8 @@ the demo's MXFP4 job once per candidate calibration and measures each checkpoint
 the same BF16 side: parity on the held-back conversations and the adapter's task.
 
 Candidates: the shipped recipe (GPTQ with the BF16 inputs Hopper multiplies by), and recipes that
-calibrate with the inputs quantized as on Blackwell (GPTQ's Hessians and the AWQ search's scores
-then see MXFP4 inputs).
+calibrate with the inputs quantized as on Blackwell (``Recipe.calibrate_for``: the AWQ search's
+scores and GPTQ's Hessians then see MXFP4 inputs); every checkpoint declares weights-only MXFP4.
 
     .venv/bin/python benchmarks/mxfp4_profiles.py [--task sentiment|orders] [--json out.json]
 """
@@ -28,16 +28,16 @@ sys.path.insert(0, str(ROOT))
 
 
 def candidates() -> dict[str, Any]:
-    from fp4prep.pipeline.formats import FORMATS
-    from fp4prep.pipeline.recipes import RECIPES, AwqSearch, Gptq, Recipe
+    from fp4prep.pipeline.recipes import RECIPES, AwqSearch, Gptq
+    from fp4prep.pipeline.serving import MXFP4_W4A4
 
     shipped = RECIPES["mxfp4"]
-    w4a4 = dataclasses.replace(FORMATS["mxfp4"], activations_quantized=True)
+    blackwell = {"calibrate_for": MXFP4_W4A4.key}
     return {
         "shipped: GPTQ on BF16 inputs": shipped,
-        "GPTQ on MXFP4 inputs": Recipe(w4a4, shipped.thresholds, (Gptq(hessian_stride=2),)),
-        "AWQ search (alpha step 0.5) + GPTQ on MXFP4 inputs": Recipe(
-            w4a4, shipped.thresholds, (AwqSearch(alpha_step=0.5), Gptq(hessian_stride=2))
+        "GPTQ on MXFP4 inputs": dataclasses.replace(shipped, **blackwell),
+        "AWQ search (alpha step 0.5) + GPTQ on MXFP4 inputs": dataclasses.replace(
+            shipped, steps=(AwqSearch(alpha_step=0.5), Gptq(hessian_stride=2)), **blackwell
         ),
     }
 

@@ -63,7 +63,7 @@ def _differs(quantization: str, profile: DeploymentProfile | None, report: dict)
         return "", ""
     measured = serving_note(report, profile.hardware)
     if not measured:
-        return f"{numerics.description}; this revision was not measured that way (its job predates it).", ""
+        return f"{numerics.description}; this revision's job did not measure it that way.", ""
     missed = any(profile.hardware in s["hardware"] and s["misses"] for s in report.get("serving", []))
     if not missed:
         return f"On {profile.hardware}: {measured}.", ""

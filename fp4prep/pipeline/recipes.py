@@ -19,6 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .formats import FORMATS, Format, get_format
+from .serving import MXFP4_W4A4
 
 
 @dataclass(frozen=True)
@@ -76,6 +77,10 @@ class Recipe:
     format: Format
     thresholds: Thresholds
     steps: tuple[Step, ...] = ()
+    # Calibrate with each layer's input quantized as the engine computes it on some hardware
+    # (``serving.EngineNumerics.key``: MXFP4 inputs as on Blackwell), where that differs from what
+    # the format declares; the checkpoint still declares its format.
+    calibrate_for: str | None = None
 
     def __post_init__(self) -> None:
         kinds = [type(step) for step in self.steps]
@@ -85,6 +90,8 @@ class Recipe:
             raise ValueError(f"a recipe runs AwqSearch, then Gptq, each at most once, not {[k.__name__ for k in kinds]}")
         if self.steps and not self.format.e2m1:
             raise ValueError(f"{self.format.name} is max-calibrated: its recipe takes no steps")
+        if self.calibrate_for not in (None, MXFP4_W4A4.key) or (self.calibrate_for and self.format.name != "mxfp4"):
+            raise ValueError(f"{self.format.name} can't be calibrated for {self.calibrate_for!r}")
         for step in self.steps:
             step.check()
 
@@ -117,6 +124,8 @@ class Recipe:
         words = self.awq.describe() if self.awq else "max"
         if self.gptq:
             words += ", then GPTQ against " + ("static weight scales" if self.static_weight_scales else "each block's own scale")
+        if self.calibrate_for == MXFP4_W4A4.key:
+            words += ", with the inputs quantized to MXFP4 as vLLM does on Blackwell"
         return words
 
 

@@ -172,6 +172,7 @@ def _quantize(state: _Run) -> None:
             extra = {"expert_tokens": state.calibrated.expert_tokens, "fold_factors": state.calibrated.factors}
             quantizers.save(state.model, work.calibrated, extra)
             work.calibration_done()
+        quantizers.declared_inputs_only(state.model, state.recipe)
         state.session.use_checkpoint_numerics(state.model)
         examples = state.corpus.parity[:1]
         state.reload_reference = [parity.logits(state.model, e.input_ids[:RELOAD_CHECK_TOKENS]) for e in examples]

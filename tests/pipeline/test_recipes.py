@@ -172,3 +172,38 @@ def test_the_shipped_recipes_say_what_they_run() -> None:
     assert RECIPES["nvfp4"].calibration == (
         "AWQ search (alpha step 0.5), scales folded into the preceding norms and projections, then GPTQ against static weight scales"
     )
+
+
+def test_an_mxfp4_recipe_calibrated_for_blackwells_inputs_still_declares_weights_only(
+    make_base: Any, tmp_path: Path, calibration_file: Path
+) -> None:
+    """Calibrated with MXFP4 inputs (as vLLM runs them on Blackwell), the checkpoint is the plain
+    weights-only MXFP4 one, and the calibrated model it is checked against computes that."""
+    import dataclasses
+
+    from fp4prep.pipeline.serving import MXFP4_W4A4
+
+    base = make_base("llama")
+    adapter = save_adapter(base, tmp_path / "adapter", targets=["q_proj", "v_proj", "o_proj"], b_scale=0.05)
+    plain = variant("mxfp4", AWQ_GPTQ)
+    results = {}
+    for name, recipe in (("plain", plain), ("blackwell", dataclasses.replace(plain, calibrate_for=MXFP4_W4A4.key))):
+        results[name] = run_tiny(base, tmp_path / name, "mxfp4", adapter_dir=adapter, calibration_file=calibration_file, recipe=recipe)
+    config = json.loads((tmp_path / "blackwell" / "config.json").read_text())["quantization_config"]
+    assert config["config_groups"]["group_0"]["input_activations"] is None
+    assert results["blackwell"].reload_max_logit_diff == 0.0
+    lineage = json.loads((tmp_path / "blackwell" / "fp4prep.json").read_text())
+    assert lineage["recipe"]["calibration"].endswith("with the inputs quantized to MXFP4 as vLLM does on Blackwell")
+    # The AWQ search scored its candidates on the quantized inputs: it chose other scales.
+    assert stored(tmp_path / "plain").keys() == stored(tmp_path / "blackwell").keys()
+    assert any(not torch.equal(a, stored(tmp_path / "blackwell")[k]) for k, a in stored(tmp_path / "plain").items())
+
+
+@pytest.mark.parametrize("fmt", ["nvfp4", "fp8"])
+def test_only_mxfp4_is_calibrated_for_another_hardwares_inputs(fmt: str) -> None:
+    import dataclasses
+
+    with pytest.raises(ValueError, match="can't be calibrated for 'mxfp4-w4a4'"):
+        dataclasses.replace(RECIPES[fmt], calibrate_for="mxfp4-w4a4")
+    with pytest.raises(ValueError, match="can't be calibrated for 'fp16'"):
+        dataclasses.replace(RECIPES["mxfp4"], calibrate_for="fp16")

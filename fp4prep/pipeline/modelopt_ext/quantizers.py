@@ -54,7 +54,7 @@ def quant_config(recipe: Recipe, compute: Compute, checkpoint_dir: Path | None =
         if recipe.static_weight_scales and entry.get("quantizer_name") == "*weight_quantizer":
             cfg["block_sizes"] = {**cfg["block_sizes"], "type": "static"}
     entries.extend({"quantizer_name": p, "enable": False} for p in KEPT_BF16)
-    if not recipe.format.activations_quantized:
+    if not recipe.format.activations_quantized and not recipe.calibrate_for:
         entries.append({"quantizer_name": "*input_quantizer", "enable": False})
     algorithm = config.get("algorithm")
     if recipe.steps:
@@ -71,6 +71,17 @@ def quant_config(recipe: Recipe, compute: Compute, checkpoint_dir: Path | None =
         }
         config["algorithm"] = algorithm
     return config
+
+
+def declared_inputs_only(model: torch.nn.Module, recipe: Recipe) -> None:
+    """After a recipe calibrated for another hardware's inputs (``Recipe.calibrate_for``), the model
+    computes what the checkpoint declares again: its input quantizers off where the format has none."""
+    from modelopt.torch.quantization.nn import TensorQuantizer
+
+    if recipe.calibrate_for and not recipe.format.activations_quantized:
+        for name, module in model.named_modules():
+            if isinstance(module, TensorQuantizer) and name.endswith("input_quantizer"):
+                module.disable()
 
 
 def share_fused_scales(model: torch.nn.Module) -> None:
