@@ -16,10 +16,11 @@ the thresholds.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from .formats import FORMATS, Format, get_format
-from .serving import MXFP4_W4A4
+from .serving import MXFP4_W4A4, numerics_on
 
 
 @dataclass(frozen=True)
@@ -155,5 +156,25 @@ RECIPES: dict[str, Recipe] = {
 }
 
 
+# MXFP4 for Blackwell, where vLLM 0.33 quantizes its inputs to MXFP4 too: the AWQ search scored on
+# those inputs, then GPTQ. On the demo it beat the weights-only recipe on Blackwell (task 48% ->
+# 78%) and on Hopper too (KL on answers 0.059 -> 0.031): benchmarks/mxfp4_profiles.py.
+MXFP4_FOR_BLACKWELL = Recipe(
+    FORMATS["mxfp4"],
+    steps=(AwqSearch(alpha_step=0.5), Gptq(hessian_stride=2)),
+    thresholds=RECIPES["mxfp4"].thresholds,
+    calibrate_for=MXFP4_W4A4.key,
+)
+
+
 def get_recipe(name: str) -> Recipe:
     return RECIPES[get_format(name).name]
+
+
+def recipe_for(name: str, serving_hardware: Sequence[str] = ()) -> Recipe:
+    """The format's recipe, or, for MXFP4 served on hardware where vLLM quantizes its inputs
+    (Blackwell), the one calibrated for those inputs."""
+    recipe = get_recipe(name)
+    if recipe.name == "mxfp4" and any(numerics_on("mxfp4", h) == MXFP4_W4A4 for h in serving_hardware):
+        return MXFP4_FOR_BLACKWELL
+    return recipe

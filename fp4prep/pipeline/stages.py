@@ -37,7 +37,7 @@ from .model.safetensors import TensorSource, directory_bytes, read_config
 from .modelopt_ext import quantizers
 from .modelopt_ext.session import Session
 from .progress import Progress
-from .recipes import Recipe, get_recipe
+from .recipes import Recipe, recipe_for
 from .validation import gate, parity, reader, report, retention, structure
 from .workdir import WorkDir, fingerprint, opened
 
@@ -68,7 +68,7 @@ class _Run:
 
 
 def run(config: PipelineConfig) -> PipelineResult:
-    recipe = config.recipe or get_recipe(config.quantization)
+    recipe = config.recipe or recipe_for(config.quantization, config.serving_hardware)
     progress = Progress(config.progress, config.should_cancel)
     _check_output_dir(config.output_dir)
     compute = device_mod.resolve(config.device)

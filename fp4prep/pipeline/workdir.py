@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from .config import PipelineConfig
+from .recipes import get_recipe, recipe_for
 
 if TYPE_CHECKING:
     from .device import Compute
@@ -96,7 +97,7 @@ def fingerprint(config: PipelineConfig, compute: Compute, calibration_sha256: st
         "calibration_sha256": calibration_sha256,
         "general_text": str(config.general_text_file) if config.general_text_file else None,
         "quantization": config.quantization,
-        "recipe": repr(config.recipe) if config.recipe else None,
+        "recipe": _recipe_unless_default(config),
         "calibration_tokens": config.calibration_tokens,
         "sequence_length": config.sequence_length,
         "user_token_minimum": config.user_token_minimum,
@@ -104,3 +105,10 @@ def fingerprint(config: PipelineConfig, compute: Compute, calibration_sha256: st
         "device": compute.device.type,
         "dtype": str(compute.dtype),
     }
+
+
+def _recipe_unless_default(config: PipelineConfig) -> str | None:
+    """The recipe a run calibrates with, where it is not its format's own (a benchmark's candidate,
+    MXFP4 calibrated for Blackwell's inputs)."""
+    recipe = config.recipe or recipe_for(config.quantization, config.serving_hardware)
+    return None if recipe == get_recipe(config.quantization) else repr(recipe)

@@ -116,12 +116,14 @@ def test_it_prepares_a_checkpoint_engines_load_as_is(
     assert lineage["calibration_sha256"] == result.corpus.calibration_sha256
     assert len(lineage["calibration_sha256"]) == 64
     assert lineage["recipe"]["name"] == quantization
-    # How it was calibrated is on record and in the model card: NVFP4 by AWQ then GPTQ, MXFP4 by
-    # GPTQ, FP8 by max.
+    # How it was calibrated is on record and in the model card: NVFP4 by AWQ then GPTQ, MXFP4 for
+    # Blackwell by AWQ on its quantized inputs then GPTQ, FP8 by max.
     expected = {
         "nvfp4": "AWQ search (alpha step 0.5), scales folded into the preceding norms and projections, "
                  "then GPTQ against static weight scales",
-        "mxfp4": "max, then GPTQ against each block's own scale",
+        # Served on Blackwell too (below), where vLLM quantizes MXFP4 inputs: calibrated for them.
+        "mxfp4": "AWQ search (alpha step 0.5), scales folded into the preceding norms and projections, "
+                 "then GPTQ against each block's own scale, with the inputs quantized to MXFP4 as vLLM does on Blackwell",
     }
     assert lineage["recipe"]["calibration"] == expected.get(quantization, "max")
     card = (out / "README.md").read_text()
