@@ -1,12 +1,14 @@
 """Benchmark: peak memory does not grow with the model's depth.
 
-Builds random Llamas (hidden 1024, intermediate 2816, SmolLM2's tokenizer) with 8 and with 48
-decoder layers and runs ``fp4prep quantize --no-quality-gate`` on each in its own process. Holding
-the model whole would add the 40 extra layers' BF16 size (twice during validation); the pipeline
-streams one layer at a time, so the 48-layer run should peak less than a quarter of that above the
-8-layer run.
+Builds random Llamas (hidden 1024, intermediate 2816, SmolLM2's tokenizer), or with ``--arch
+glm4_moe`` random Glm4Moe models (hidden 512, 16 routed experts of 256 and a shared one, top-4,
+layer 0 dense: the layout GLM ships), with 8 and with 48 decoder layers and runs ``fp4prep quantize
+--no-quality-gate`` on each in its own process (the format's whole recipe: GPTQ on routed experts
+too). Holding the model whole would add the 40 extra layers' BF16 size (twice during validation);
+the pipeline streams one layer at a time, so the 48-layer run should peak less than a quarter of
+that above the 8-layer run.
 
-    .venv/bin/python benchmarks/depth_memory.py [--layers 8 48] [--quantization nvfp4]
+    .venv/bin/python benchmarks/depth_memory.py [--layers 8 48] [--quantization nvfp4] [--arch llama|glm4_moe]
 """
 
 from __future__ import annotations
@@ -26,8 +28,30 @@ sys.path.insert(0, str(ROOT))
 HIDDEN, INTERMEDIATE = 1024, 2816
 
 
-def layer_bytes() -> int:
-    return 2 * (4 * HIDDEN * HIDDEN + 3 * HIDDEN * INTERMEDIATE)
+def random_glm4_moe(path: Path, tokenizer_dir: Path, layers: int) -> Path:
+    """A random BF16 Glm4Moe saved as transformers saves it (per-expert tensors)."""
+    import shutil
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from tests.tiny import tiny_config
+
+    config = tiny_config("glm4_moe")
+    config.update({
+        "hidden_size": 512, "intermediate_size": 1024, "moe_intermediate_size": 256, "n_routed_experts": 16,
+        "num_experts_per_tok": 4, "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 64,
+        "num_hidden_layers": layers,
+    })
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).save_pretrained(path)
+    for f in tokenizer_dir.iterdir():
+        shutil.copy(f, path / f.name)
+    return path
+
+
+def weights_bytes(base: Path) -> int:
+    return sum(p.stat().st_size for p in base.glob("*.safetensors"))
 
 
 def tokenizer(directory: Path) -> Path:
@@ -59,6 +83,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--layers", type=int, nargs=2, default=[8, 48])
     parser.add_argument("--quantization", default="nvfp4", choices=("nvfp4", "mxfp4", "fp8"))
+    parser.add_argument("--arch", default="llama", choices=("llama", "glm4_moe"))
     args = parser.parse_args()
     from tests.pipeline.bases import random_llama
 
@@ -68,16 +93,24 @@ def main() -> None:
         work = Path(tmp)
         tok = tokenizer(work / "tokenizer")
         for layers in (shallow, deep):
-            base = random_llama(work / f"base-{layers}", tok, layers, HIDDEN, INTERMEDIATE)
+            if args.arch == "llama":
+                base = random_llama(work / f"base-{layers}", tok, layers, HIDDEN, INTERMEDIATE)
+            else:
+                base = random_glm4_moe(work / f"base-{layers}", tok, layers)
+            size = weights_bytes(base)
             peak, seconds, result = quantize(base, work / f"out-{layers}", args.quantization, work / f"{layers}.json")
-            rows[layers] = (peak, seconds, result)
+            rows[layers] = (peak, seconds, result, size)
+            gptq = result.get("expert_gptq") or {}
+            if gptq:
+                done, kept = sum(v[0] for v in gptq.values()), sum(v[1] for v in gptq.values())
+                print(f"{layers:3d} layers: GPTQ rounded {done} of {done + kept} routed-expert projections", flush=True)
             print(
                 f"{layers:3d} layers: BF16 {result['bf16_bytes'] / 2**20:7.0f} MiB, peak RSS {peak / 2**20:6.0f} MiB, "
                 f"{seconds:6.1f} s ({', '.join(f'{k} {v:.1f}s' for k, v in result['stage_seconds'].items())}), "
                 f"{result['device']}",
                 flush=True,
             )
-    extra = (deep - shallow) * layer_bytes()
+    extra = rows[deep][3] - rows[shallow][3]  # the extra layers' BF16 bytes on disk
     growth = rows[deep][0] - rows[shallow][0]
     print(f"\nthe {deep - shallow} extra layers hold {extra / 2**20:.0f} MiB in BF16")
     print(f"peak RSS grew by {growth / 2**20:.0f} MiB = {growth / extra:.2f} of that (goal < 0.25)")

@@ -16,7 +16,7 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -40,6 +40,8 @@ class Calibrated:
 
     expert_tokens: dict[str, list[int]]  # per MoE layer, the calibration tokens each expert got
     factors: Factors  # what folding did to each weight
+    # Per routed-expert module: [projections GPTQ rounded, projections that kept max calibration].
+    expert_gptq: dict[str, list[int]] = field(default_factory=dict)
 
 
 def calibrate(
@@ -92,7 +94,7 @@ def calibrate(
         session.layer_pass = None
     report(1.0)
     _check_coverage(counter)
-    return Calibrated(counter.as_lists(), layer_pass.factors)
+    return Calibrated(counter.as_lists(), layer_pass.factors, layer_pass.experts)
 
 
 def _check_coverage(counter: ExpertCounter) -> None:

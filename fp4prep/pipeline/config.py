@@ -146,6 +146,9 @@ class PipelineResult:
     retention: RetentionReport | None
     expert_tokens: dict[str, list[int]]
     checks: list[str]
+    # Per routed-expert module: [projections GPTQ rounded, projections that kept max calibration
+    # because fewer tokens reached them than their input width]; empty without GPTQ.
+    expert_gptq: dict[str, list[int]] = field(default_factory=dict)
     task: TaskReport | None = None
     device: str = "cpu"
     # Thresholds the checkpoint missed; empty unless the quality gate was off.

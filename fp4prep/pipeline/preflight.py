@@ -19,8 +19,33 @@ from .model.merge import MergedWeights
 from .recipes import Recipe
 
 
+def gptq_hessian_bytes(model: Any) -> int:
+    """The most GPTQ's Hessians take at once in one decoder layer (fp32): one ``in``² matrix per
+    quantized Linear module (an upper bound: projections reading one input share theirs), plus the
+    routed experts' of one chunk, ``min(experts, max(1, budget // per_expert)) × per_expert`` with
+    ``per_expert = 4 × (hidden² + intermediate²)`` per expert module and ``budget`` the expert
+    Hessian budget (``FP4PREP_EXPERT_HESSIAN_MIB``)."""
+    from .algorithms.gptq import expert_hessian_bytes
+
+    budget = expert_hessian_bytes()
+    _, layers = streaming.decoder_layers(model)
+    most = 0
+    for layer in layers:
+        total = 0
+        for module in layer.modules():
+            if isinstance(module, torch.nn.Linear):
+                total += 4 * module.in_features**2
+            gate_up, down = getattr(module, "gate_up_proj", None), getattr(module, "down_proj", None)
+            if isinstance(gate_up, torch.Tensor) and isinstance(down, torch.Tensor) and gate_up.dim() == down.dim() == 3:
+                experts, hidden, intermediate = gate_up.shape[0], gate_up.shape[-1], down.shape[-1]
+                per_expert = 4 * (hidden**2 + intermediate**2)
+                total += min(experts, max(1, budget // per_expert)) * per_expert
+        most = max(most, total)
+    return most
+
+
 def check_memory(
-    model: Any, weights: MergedWeights, compute: Compute, calibration_tokens: int
+    model: Any, weights: MergedWeights, compute: Compute, calibration_tokens: int, recipe: Recipe | None = None
 ) -> None:
     layers = streaming.layer_bytes(model, weights, compute.dtype)
     largest = max(layers)
@@ -29,16 +54,18 @@ def check_memory(
     size = torch.empty(0, dtype=compute.dtype).element_size()
     # ModelOpt keeps one layer's captured inputs and the next layer's while it calibrates.
     activations = 3 * calibration_tokens * hidden * size
+    hessians = gptq_hessian_bytes(model) if recipe is not None and recipe.gptq else 0
     # The layer, plus as much again for the quantized copy of each weight and the fused experts.
-    need = resident + 2 * largest + activations
+    need = resident + 2 * largest + activations + hessians
     free = available_memory(compute.device)
     if need > free:
         raise PipelineError(
             f"this model can't be prepared on {compute.device} even one decoder layer at a time: "
             f"it needs about {format_bytes(need)} there (its largest layer is {format_bytes(largest)} in "
             f"{str(compute.dtype).removeprefix('torch.')}, held twice while it is quantized; the "
-            f"embeddings {format_bytes(resident)}; calibration activations {format_bytes(activations)}), and "
-            f"{format_bytes(free)} is free. Run it on a device with more memory"
+            f"embeddings {format_bytes(resident)}; calibration activations {format_bytes(activations)}"
+            + (f"; GPTQ's Hessians {format_bytes(hessians)}" if hessians else "")
+            + f"), and {format_bytes(free)} is free. Run it on a device with more memory"
         )
     if compute.cuda:
         host_free = available_memory(torch.device("cpu"))

@@ -128,7 +128,7 @@ def _merge(state: _Run) -> None:
         state.model = streaming.skeleton(base_config, state.merged, compute, config.base_dir)
         state.bf16_bytes = 2 * sum(state.merged.numel(n) for n in state.merged)
         tokens = _total_tokens(config)
-        preflight.check_memory(state.model, state.merged, compute, tokens)
+        preflight.check_memory(state.model, state.merged, compute, tokens, state.recipe)
         hidden = int(state.model.config.hidden_size)
         preflight.check_disk(state.merged, state.recipe, state.work.root, config.output_dir, hidden, tokens)
         streaming.attach(state.model, state.merged, compute)
@@ -147,7 +147,7 @@ def _calibrate(state: _Run) -> None:
         layers = len(streaming.decoder_layers(state.model)[1])
         if work.calibrated.is_file():
             saved = quantizers.restore(state.model, work.calibrated, state.compute)
-            state.calibrated = Calibrated(saved["expert_tokens"], saved.get("fold_factors", {}))
+            state.calibrated = Calibrated(saved["expert_tokens"], saved.get("fold_factors", {}), saved.get("expert_gptq", {}))
             state.resumed_from = layers
             _note(config, f"Resuming: every layer was calibrated by an earlier run ({layers} layers)")
             return
@@ -169,7 +169,10 @@ def _quantize(state: _Run) -> None:
     with state.progress.stage("quantizing"):
         if not work.calibrated.is_file():
             quantizers.share_fused_scales(state.model)
-            extra = {"expert_tokens": state.calibrated.expert_tokens, "fold_factors": state.calibrated.factors}
+            extra = {
+                "expert_tokens": state.calibrated.expert_tokens, "fold_factors": state.calibrated.factors,
+                "expert_gptq": state.calibrated.expert_gptq,
+            }
             quantizers.save(state.model, work.calibrated, extra)
             work.calibration_done()
         quantizers.declared_inputs_only(state.model, state.recipe)
@@ -236,7 +239,7 @@ def _validate(state: _Run) -> PipelineResult:
             output_dir=out, quantization=recipe.name, stage_seconds=dict(progress.stage_seconds),
             bf16_bytes=state.bf16_bytes, output_bytes=directory_bytes(out), corpus=state.corpus.stats,
             parity=behaviour, reload_max_logit_diff=reload_diff, retention=kept,
-            expert_tokens=state.calibrated.expert_tokens, checks=checks, task=task, device=compute.describe(),
+            expert_tokens=state.calibrated.expert_tokens, expert_gptq=state.calibrated.expert_gptq, checks=checks, task=task, device=compute.describe(),
             quality_misses=missed, resumed_from_layer=state.resumed_from, serving=served,
         )
         result.checks += [f"reload matches the calibrated model (max logit difference {reload_diff:.4f})"]

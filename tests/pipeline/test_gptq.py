@@ -90,3 +90,109 @@ def test_projections_that_read_one_input_share_one_hessian() -> None:
     flat = torch.cat([x.reshape(-1, 32) for x in batches])
     assert hessians.inputs["q_proj"].tokens == 48
     torch.testing.assert_close(hessians.inputs["q_proj"].hessian, flat.T @ flat)
+
+
+def quantized_moe_block() -> tuple[nn.Module, nn.Module]:
+    """Mixtral's sparse MoE block (4 experts, top-2) as ModelOpt quantizes it for NVFP4, and its
+    unquantized twin."""
+    import copy
+
+    import modelopt.torch.quantization as mtq
+    from transformers import MixtralConfig
+    from transformers.models.mixtral.modeling_mixtral import MixtralSparseMoeBlock
+
+    from fp4prep.pipeline.device import resolve
+    from fp4prep.pipeline.modelopt_ext.quantizers import quant_config
+    from fp4prep.pipeline.recipes import RECIPES
+
+    config = MixtralConfig(hidden_size=64, intermediate_size=32, num_local_experts=4, num_experts_per_tok=2)
+    config._experts_implementation = "eager"
+    torch.manual_seed(0)
+    block = MixtralSparseMoeBlock(config)
+    for param in block.parameters():
+        nn.init.normal_(param, std=0.1)
+    twin = copy.deepcopy(block)
+    cpu = resolve("cpu")
+    return mtq.quantize(block, {**quant_config(RECIPES["nvfp4"], cpu), "algorithm": "max"}, None), twin
+
+
+def test_each_routed_expert_is_rounded_with_the_hessians_of_the_tokens_routed_to_it() -> None:
+    from modelopt.torch.quantization.conversion import set_quantizer_by_cfg_context
+
+    from fp4prep.pipeline.device import resolve
+    from fp4prep.pipeline.modelopt_ext.session import Session
+
+    batches = [torch.randn(2, 48, 64) for _ in range(3)]
+    with Session(resolve("cpu")), torch.no_grad():
+        block, twin = quantized_moe_block()
+        original = block.experts.gate_up_proj.detach().clone(), block.experts.down_proj.detach().clone()
+        collector = gptq.ExpertHessians(block, 1, range(4))
+        with set_quantizer_by_cfg_context(block, [{"quantizer_name": "*", "enable": False}]):
+            for x in batches:
+                block(x)
+        collector.remove()
+
+        flat = torch.cat([x.reshape(-1, 64) for x in batches])
+        _, _, chosen = twin.gate(flat)
+        for e in range(4):
+            rows = flat[(chosen == e).any(-1)]  # the tokens routed to expert e, and only those
+            gate, up = nn.functional.linear(rows, original[0][e]).chunk(2, dim=-1)
+            for proj, x in (("gate_up_proj", rows), ("down_proj", twin.experts.act_fn(gate) * up)):
+                entry = collector.inputs[("experts", proj, e)]
+                assert entry.tokens == len(x)
+                torch.testing.assert_close(entry.hessian, x.T @ x)
+
+        counts = gptq.quantize_experts(collector, 0.01)
+        assert counts == {"experts": [8, 0]}  # 4 experts x 2 projections, each > its input width
+        for e in range(4):
+            rows = flat[(chosen == e).any(-1)]
+            quantizer = block.experts.gate_up_proj_weight_quantizers[e]
+            rounded = block.experts.gate_up_proj[e]
+            reference = original[0][e].clone()
+            hessian = collector.inputs[("experts", "gate_up_proj", e)]
+            gptq._update([gptq._ExpertSlice(reference, quantizer)], hessian.hessian / hessian.tokens, 0.01)
+            assert torch.equal(rounded, reference)  # the expert's own slice, Hessian and quantizer
+
+            def output_error(w: torch.Tensor, e: int = e, rows: torch.Tensor = rows, q: nn.Module = quantizer) -> float:
+                return float((rows @ (q(w) - original[0][e]).T).square().sum())
+
+            assert output_error(rounded) < 0.9 * output_error(original[0][e])  # better than rounding to nearest
+
+
+def test_an_expert_fewer_tokens_reached_than_its_input_width_keeps_max_calibration() -> None:
+    from fp4prep.pipeline.device import resolve
+    from fp4prep.pipeline.modelopt_ext.session import Session
+
+    with Session(resolve("cpu")), torch.no_grad():
+        block, _ = quantized_moe_block()
+        before = block.experts.gate_up_proj.detach().clone()
+        collector = gptq.ExpertHessians(block, 1, range(4))
+        block(torch.randn(1, 20, 64))  # 20 tokens x top-2: no expert sees 64
+        collector.remove()
+        assert gptq.quantize_experts(collector, 0.01) == {"experts": [0, 8]}
+        assert torch.equal(block.experts.gate_up_proj, before)
+
+
+def test_the_experts_are_gathered_in_chunks_that_fit_the_budget() -> None:
+    from fp4prep.pipeline.device import resolve
+    from fp4prep.pipeline.modelopt_ext.session import Session
+
+    with Session(resolve("cpu")):
+        block, _ = quantized_moe_block()
+    per_expert = 4 * (64 * 64 + 32 * 32)
+    assert gptq.expert_chunks(block, 10 * per_expert) == [range(0, 4)]
+    assert gptq.expert_chunks(block, 3 * per_expert) == [range(0, 3), range(3, 4)]
+    assert gptq.expert_chunks(block, 1) == [range(e, e + 1) for e in range(4)]
+
+
+def test_the_memory_check_counts_one_chunk_of_expert_hessians(monkeypatch: pytest.MonkeyPatch) -> None:
+    from fp4prep.pipeline.model.experts import meta_model
+    from fp4prep.pipeline.preflight import gptq_hessian_bytes
+    from tests.tiny import tiny_config
+
+    model = meta_model(tiny_config("mixtral").to_json_string())  # hidden 64, 4 experts of 32, 2 layers
+    linear = 4 * 4 * 64**2  # q, k, v, o: 64 inputs each
+    per_expert = 4 * (64**2 + 32**2)
+    assert gptq_hessian_bytes(model) == linear + 4 * per_expert
+    monkeypatch.setenv("FP4PREP_EXPERT_HESSIAN_MIB", "0")
+    assert gptq_hessian_bytes(model) == linear + per_expert

@@ -23,7 +23,7 @@ def merged_state(base: Path, adapter: Path) -> tuple[dict[str, torch.Tensor], li
     """The whole base with the adapter merged as the pipeline merges each tensor, and what changed."""
     state = dict(TensorSource(base).items())
     loaded = merge.load_adapter(adapter)
-    updates, replacements = merge.plan(loaded, {k: tuple(v.shape) for k, v in state.items()})
+    updates, replacements = merge.plan(loaded, TensorSource(base))
     for update in updates:
         state[update.target] = update.apply(state[update.target])
     for name, stored in replacements.items():
@@ -151,9 +151,7 @@ def test_it_honours_alpha_pattern_per_module(llama_base: Path, tmp_path: Path) -
     config = json.loads((adapter / "adapter_config.json").read_text())
     config["alpha_pattern"] = {"v_proj": 32}
     (adapter / "adapter_config.json").write_text(json.dumps(config))
-    plan, _ = merge.plan(
-        merge.load_adapter(adapter), {k: tuple(v.shape) for k, v in TensorSource(llama_base).items()}
-    )
+    plan, _ = merge.plan(merge.load_adapter(adapter), TensorSource(llama_base))
     scaling = {u.target.split(".")[-2]: u.scaling for u in plan}
     assert scaling == {"q_proj": 8 / 4, "v_proj": 32 / 4, "down_proj": 8 / 4}
 
@@ -195,7 +193,7 @@ def test_a_rank_pattern_gives_a_module_the_rank_its_matrices_have(llama_base: Pa
     config = json.loads((adapter / "adapter_config.json").read_text())
     config["rank_pattern"] = {"layers.0.self_attn.v_proj": 2}
     (adapter / "adapter_config.json").write_text(json.dumps(config))
-    plan, _ = merge.plan(merge.load_adapter(adapter), {k: tuple(v.shape) for k, v in TensorSource(llama_base).items()})
+    plan, _ = merge.plan(merge.load_adapter(adapter), TensorSource(llama_base))
     scaling = {u.target: u.scaling for u in plan}
     assert scaling["model.layers.0.self_attn.v_proj.weight"] == 8 / 2
     assert scaling["model.layers.1.self_attn.v_proj.weight"] == 8 / 4

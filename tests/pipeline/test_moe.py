@@ -66,3 +66,16 @@ def test_it_refuses_to_export_an_expert_that_received_no_tokens(make_base, tmp_p
     ):
         run_tiny(base, tmp_path / "out")
     assert not (tmp_path / "out").exists()
+
+
+def test_experts_gathered_in_chunks_give_the_same_checkpoint_as_all_at_once(
+    make_base, calibration_file: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from .test_streaming import checkpoint_bytes
+
+    base = make_base("glm4_moe")
+    whole = run_tiny(base, tmp_path / "whole", calibration_file=calibration_file)
+    monkeypatch.setenv("FP4PREP_EXPERT_HESSIAN_MIB", "0")  # one expert's Hessians at a time
+    chunked = run_tiny(base, tmp_path / "chunked", calibration_file=calibration_file)
+    assert whole.expert_gptq == chunked.expert_gptq == {"model.layers.1.mlp.experts": [8, 0]}
+    assert checkpoint_bytes(tmp_path / "chunked") == checkpoint_bytes(tmp_path / "whole")

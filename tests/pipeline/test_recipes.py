@@ -212,7 +212,9 @@ def test_only_mxfp4_is_calibrated_for_another_hardwares_inputs(fmt: str) -> None
 def test_mxfp4_served_on_blackwell_is_calibrated_for_its_inputs() -> None:
     from fp4prep.pipeline.recipes import MXFP4_FOR_BLACKWELL, recipe_for
 
-    assert recipe_for("mxfp4", ["NVIDIA H200", "NVIDIA B200"]) is MXFP4_FOR_BLACKWELL
+    assert recipe_for("mxfp4", ["NVIDIA B200", "NVIDIA GB200"]) is MXFP4_FOR_BLACKWELL
+    # Served on Hopper too, which runs it weights-only as declared: the format's own recipe.
+    assert recipe_for("mxfp4", ["NVIDIA H200", "NVIDIA B200"]) is RECIPES["mxfp4"]
     assert recipe_for("mxfp4", ["NVIDIA H200"]) is RECIPES["mxfp4"] and recipe_for("MXFP4") is RECIPES["mxfp4"]
     assert recipe_for("nvfp4", ["NVIDIA B200"]) is RECIPES["nvfp4"]
     assert MXFP4_FOR_BLACKWELL.format is RECIPES["mxfp4"].format  # the checkpoint is the same format
@@ -228,5 +230,5 @@ def test_a_run_for_other_hardware_does_not_resume_another_recipes_calibration(tm
         config = PipelineConfig(base_dir=tmp_path, output_dir=tmp_path / "out", quantization=quantization, serving_hardware=list(hardware))
         return fingerprint(config, compute, None)
 
-    assert of("NVIDIA H200") == of() != of("NVIDIA B200") == of("NVIDIA GB200", "NVIDIA H100")
+    assert of("NVIDIA H200") == of() == of("NVIDIA B200", "NVIDIA H100") != of("NVIDIA B200") == of("NVIDIA GB200")
     assert of("NVIDIA B200", quantization="nvfp4") == of(quantization="nvfp4")

@@ -54,3 +54,21 @@ def test_the_chart_compares_bf16_and_the_checkpoint_and_a_report_without_figures
     assert bars["Adapter task success"].fp4_width == 98.0 and bars["Adapter task success"].bf16_width == 100.0
     assert bars["Checkpoint size"].fp4_width == round(100 * 121 / 269, 1)
     assert report.figures({}) == [] and report.chart({}) == [] and report.headline({}) == []
+
+
+def test_the_routed_experts_rounding_is_counted_and_the_layers_that_kept_max_calibration_named() -> None:
+    moe = {
+        **REPORT,
+        "expert_tokens": {"model.layers.1.mlp": [300, 12, 90, 410]},
+        "expert_gptq": {"model.layers.1.mlp.experts": [6, 2], "model.layers.2.mlp.experts": [8, 0]},
+    }
+    rows = {r.label: r for r in report.figures(moe)}
+    assert rows["MoE experts"].hint == "the fewest tokens one expert got: 12"
+    rounded = rows["Routed experts rounded by GPTQ"]
+    assert rounded.value == "14 of 16 expert projections"
+    assert rounded.hint == (
+        "2 kept max calibration (fewer tokens reached them than their input width): model.layers.1.mlp.experts 2"
+    )
+    everything = {**moe, "expert_gptq": {"model.layers.2.mlp.experts": [8, 0]}}
+    assert {r.label: r for r in report.figures(everything)}["Routed experts rounded by GPTQ"].hint == "every one"
+    assert "Routed experts rounded by GPTQ" not in {r.label for r in report.figures(REPORT)}

@@ -51,7 +51,7 @@ def test_the_adapters_change_is_mostly_below_half_an_fp4_step(llama_base: Path, 
 
     adapter = save_adapter(llama_base, tmp_path / "adapter", targets=TARGETS, b_scale=0.002)
     source = TensorSource(llama_base)
-    updates, _ = merge.plan(merge.load_adapter(adapter), {n: source.shape(n) for n in source.names()})
+    updates, _ = merge.plan(merge.load_adapter(adapter), source)
     below = total = 0
     for update in updates:
         w = source.get(update.target, torch.float32)

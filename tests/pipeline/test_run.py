@@ -64,7 +64,7 @@ def test_it_prepares_a_checkpoint_engines_load_as_is(
     out = tmp_path / "out"
     result = run_tiny(
         llama_base, out, quantization, adapter_dir=adapter, calibration_file=calibration_file,
-        serving_hardware=["NVIDIA H200", "NVIDIA B200", "NVIDIA RTX PRO 6000 Blackwell"],
+        serving_hardware=["NVIDIA B200", "NVIDIA RTX PRO 6000 Blackwell"],
     )
 
     config = json.loads((out / "config.json").read_text())
@@ -121,7 +121,7 @@ def test_it_prepares_a_checkpoint_engines_load_as_is(
     expected = {
         "nvfp4": "AWQ search (alpha step 0.5), scales folded into the preceding norms and projections, "
                  "then GPTQ against static weight scales",
-        # Served on Blackwell too (below), where vLLM quantizes MXFP4 inputs: calibrated for them.
+        # Served on Blackwell only (below), where vLLM quantizes MXFP4 inputs: calibrated for them.
         "mxfp4": "AWQ search (alpha step 0.5), scales folded into the preceding norms and projections, "
                  "then GPTQ against each block's own scale, with the inputs quantized to MXFP4 as vLLM does on Blackwell",
     }

@@ -78,7 +78,7 @@ def checkpoint_bytes(directory: Path) -> dict[str, bytes]:
 
 @pytest.mark.parametrize(
     ("arch", "stage", "fraction"),
-    [("llama", "calibrating", 0.5), ("glm4_moe", "calibrating", 0.5), ("llama", "exporting", 0.0)],
+    [("llama", "calibrating", 0.5), ("glm4_moe", "calibrating", 0.5), ("mixtral", "calibrating", 0.5), ("llama", "exporting", 0.0)],
 )
 def test_a_run_stopped_midway_resumes_and_writes_the_same_checkpoint_bytes(
     tmp_path: Path, tokenizer_dir: Path, calibration_file: Path, arch: str, stage: str, fraction: float
@@ -117,6 +117,10 @@ def test_a_run_stopped_midway_resumes_and_writes_the_same_checkpoint_bytes(
         assert notes == ["Resuming: every layer was calibrated by an earlier run (6 layers)"]
     assert checkpoint_bytes(tmp_path / "resumed") == checkpoint_bytes(tmp_path / "straight")
     assert resumed.expert_tokens == straight.expert_tokens
+    assert resumed.expert_gptq == straight.expert_gptq
+    if arch != "llama":  # every MoE layer's routed experts were rounded by GPTQ, resumed or not
+        assert len(straight.expert_gptq) == sum(1 for i in range(6) if arch == "mixtral" or i > 0)
+        assert all(kept == 0 and done > 0 for done, kept in straight.expert_gptq.values())
     assert resumed.parity == straight.parity and resumed.reload_max_logit_diff == 0.0
     assert list(work.iterdir()) == []  # a finished run leaves nothing to resume
 
@@ -181,7 +185,7 @@ def test_a_layer_too_big_for_the_device_is_refused_before_any_work(tmp_path: Pat
     intermediate = 256 * (free // (3 * hidden * 2 * 256) + 1)
     base = sparse_llama(tmp_path / "huge-layer", tokenizer_dir, 1, hidden, intermediate)
     stages: list[str] = []
-    with pytest.raises(PipelineError, match=r"can't be prepared on cpu even one decoder layer at a time: it needs about [\d.]+ GiB there \(its largest layer is [\d.]+ GiB") as raised:
+    with pytest.raises(PipelineError, match=r"can't be prepared on cpu even one decoder layer at a time: it needs about [\d.]+ [GT]iB there \(its largest layer is [\d.]+ GiB") as raised:
         run_tiny(base, tmp_path / "out", progress=lambda s, f: stages.append(s))
     assert "GiB is free" in str(raised.value)
     assert set(stages) == {"merging"}

@@ -16,8 +16,8 @@ the norm before q/k/v or gate/up (one scale for the whole group), or ``up_proj``
   is checked against), and no scale at all is kept where none beats that.
 
 A shared expert's ``down_proj`` folds into its own ``up_proj`` like a dense MLP's. Routed experts,
-which transformers stacks in one module per layer (not Linear layers), are not searched and keep
-max calibration. Plain per-layer maths: ``fold_groups``
+which transformers stacks in one module per layer (not Linear layers), are not searched (GPTQ
+rounds them, per expert). Plain per-layer maths: ``fold_groups``
 finds a layer's groups, ``Group.observe`` gathers their inputs in the calibration pass, and
 ``search_and_apply`` gives each group its best scale as a ModelOpt ``pre_quant_scale``.
 """

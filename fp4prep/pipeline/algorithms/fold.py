@@ -69,15 +69,19 @@ def static_scales(quantizer: Any) -> bool:
 
 
 @torch.no_grad()
-def calibrate_weights(layer: torch.nn.Module) -> None:
+def calibrate_weights(layer: torch.nn.Module, keep_experts: bool = False) -> None:
     """Max-calibrate the weight quantizers of ``layer`` again, from its weights as they are now:
     the block scales, and the global scales fused projections share. Static weight scales are
     fixed when calibrated, so after the weights changed (a fold, a scale) they must be set again;
-    activations keep the amax their calibration (and the fold) gave them."""
+    activations keep the amax their calibration (and the fold) gave them. ``keep_experts`` leaves
+    routed experts' weight quantizers as they are (GPTQ rounded those experts on their scales)."""
     from modelopt.torch.quantization.conversion import set_quantizer_by_cfg_context
     from modelopt.torch.quantization.model_calib import max_calibrate
 
-    with set_quantizer_by_cfg_context(layer, [{"quantizer_name": "*input_quantizer", "enable": False}]):
+    keep = [{"quantizer_name": "*input_quantizer", "enable": False}]
+    if keep_experts:
+        keep.append({"quantizer_name": "*_weight_quantizers*", "enable": False})
+    with set_quantizer_by_cfg_context(layer, keep):
         max_calibrate(layer)
 
 

@@ -12,9 +12,14 @@ update, as the checkpoint stores them), computed by ModelOpt's max calibration o
 weights; MXFP4's are each block's own power of two (see ``quantize_layer``).
 
 Routed experts, which transformers keeps stacked in one module per layer (and ModelOpt quantizes as
-such, not as Linear layers), keep their max-calibrated weights: GPTQ covers attention, dense MLPs
-and shared experts, so its Hessians stay a handful per layer (one ``hidden``² matrix per input
-read, one ``intermediate``² per ``down_proj``), never one per expert.
+such, with one weight quantizer per expert), are rounded per expert (``ExpertHessians``,
+``quantize_experts``): each expert's two projections get the Hessians of the inputs of the tokens
+the router sent to that expert, and nothing else. An expert's Hessians take ``(hidden² +
+intermediate²) × 4`` bytes; the experts of a layer are gathered in chunks that fit
+``expert_hessian_bytes()`` (``FP4PREP_EXPERT_HESSIAN_MIB``, 4096 by default), one pass of the
+layer's calibration inputs per chunk. A projection whose Hessian came from fewer tokens than its
+input width (a singular Hessian: GPTQ would fit the few tokens it saw) keeps max calibration, and
+is counted as such.
 
 On CUDA the NVFP4 update is ModelOpt's Triton kernel (one launch per 128 columns). On a CPU, and
 for MXFP4, it is ``gptq_update``, which rounds the 16 columns that share a block scale in one step:
@@ -24,6 +29,7 @@ the rows, where column by column in eager torch it costs a dozen small operation
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -92,6 +98,105 @@ class Hessians:
         self._last = None
 
 
+def expert_hessian_bytes() -> int:
+    """The memory one layer's expert Hessians may take at once (``FP4PREP_EXPERT_HESSIAN_MIB``)."""
+    return int(os.environ.get("FP4PREP_EXPERT_HESSIAN_MIB", "4096")) << 20
+
+
+def fused_experts(layer: torch.nn.Module) -> dict[str, Any]:
+    """The routed-expert modules of ``layer`` ModelOpt quantizes per expert, [experts, out, in] each."""
+    return {
+        name: m for name, m in layer.named_modules()
+        if hasattr(m, "down_proj_weight_quantizers") and hasattr(m, "_current_expert_idx")
+        and not getattr(m, "is_transposed", False)
+    }
+
+
+def expert_chunks(layer: torch.nn.Module, budget: int) -> list[range]:
+    """The experts whose Hessians are gathered together: as many as ``budget`` bytes hold."""
+    modules = fused_experts(layer)
+    if not modules:
+        return []
+    module = next(iter(modules.values()))
+    first = getattr(module, module._first_proj_attr)
+    experts, hidden, intermediate = first.shape[0], first.shape[-1], module.down_proj.shape[-1]
+    per_expert = 4 * (hidden * hidden + intermediate * intermediate) * len(modules)
+    size = max(1, budget // per_expert)
+    return [range(start, min(start + size, experts)) for start in range(0, experts, size)]
+
+
+class ExpertHessians:
+    """Per routed expert, ``X^T X`` of its two projections' inputs, from the tokens routed to it.
+
+    transformers runs each expert as two ``F.linear`` calls on the rows of the tokens the router
+    sent it; ModelOpt's quantized experts call the projection's input quantizer on that input right
+    after setting which expert runs (``_current_expert_idx``), so a pre-hook on the two input
+    quantizers sees each expert's inputs and only them. Only the experts in ``experts`` are kept.
+    """
+
+    def __init__(self, layer: torch.nn.Module, stride: int, experts: range) -> None:
+        self.stride = stride
+        self.experts = experts
+        self.modules = fused_experts(layer)
+        self.inputs: dict[tuple[str, str, int], _Input] = {}  # (module, projection, expert)
+        self._handles = []
+        for name, module in self.modules.items():
+            first = getattr(module, module._first_proj_input_quantizer_attr)
+            for quantizer, proj in ((first, module._first_proj_attr), (module.down_proj_input_quantizer, "down_proj")):
+                self._handles.append(quantizer.register_forward_pre_hook(
+                    lambda _q, args, n=name, m=module, p=proj: self._observe(n, m, p, args[0])
+                ))
+
+    def _observe(self, name: str, module: Any, proj: str, x: torch.Tensor) -> None:
+        expert = int(module._current_expert_idx)
+        if expert not in self.experts:
+            return
+        flat = x.detach().reshape(-1, x.shape[-1])[:: self.stride].float()
+        if not flat.shape[0]:
+            return
+        entry = self.inputs.setdefault((name, proj, expert), _Input([proj]))
+        if entry.hessian is None:
+            entry.hessian = torch.zeros(flat.shape[1], flat.shape[1], device=flat.device)
+        entry.hessian.addmm_(flat.T, flat)
+        entry.tokens += flat.shape[0]
+
+    def remove(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+
+
+@dataclass
+class _ExpertSlice:
+    """One expert's weight of a fused expert tensor (a view) and its quantizer, as ``_update`` takes them."""
+
+    weight: torch.Tensor
+    weight_quantizer: Any
+
+
+@torch.no_grad()
+def quantize_experts(hessians: ExpertHessians, damp: float) -> dict[str, list[int]]:
+    """GPTQ on each gathered expert projection whose Hessian came from at least as many tokens as
+    its input width; the others keep their max-calibrated weights. Returns, per expert module, the
+    projections rounded and those kept: ``[rounded, kept]``."""
+    counts: dict[str, list[int]] = {}
+    for name, module in hessians.modules.items():
+        count = counts.setdefault(name, [0, 0])
+        for proj in (module._first_proj_attr, "down_proj"):
+            weight = getattr(module, proj)
+            quantizers = getattr(module, f"{proj}_weight_quantizers")
+            for expert in hessians.experts:
+                entry = hessians.inputs.get((name, proj, expert))
+                if entry is None or entry.hessian is None or entry.tokens < weight.shape[-1]:
+                    count[1] += 1
+                    continue
+                quantizer = quantizers[expert]
+                if not (_is_mxfp4(quantizer) or static_scales(quantizer)):
+                    raise PipelineError(f"GPTQ needs static NVFP4 weight scales; {name}.{proj}[{expert}] has dynamic ones")
+                _update([_ExpertSlice(weight.data[expert], quantizer)], entry.hessian / entry.tokens, damp)
+                count[0] += 1
+    return counts
+
+
 def _is_mxfp4(quantizer: Any) -> bool:
     fmt = of_quantizer(quantizer.num_bits, quantizer.block_sizes)
     return fmt is not None and fmt.block_scale == "e8m0"
@@ -114,7 +219,7 @@ def quantize_layer(layer: torch.nn.Module, hessians: Hessians, prefix: str, fact
         quantizer = module.weight_quantizer
         if not (_is_mxfp4(quantizer) or static_scales(quantizer)):
             raise PipelineError(f"GPTQ needs static NVFP4 weight scales; {name} has dynamic ones")
-    calibrate_weights(layer)  # the block scales GPTQ rounds against, from the folded weights
+    calibrate_weights(layer, keep_experts=True)  # the block scales GPTQ rounds against, from the folded weights
     for entry in hessians.inputs.values():
         if entry.hessian is None or entry.tokens == 0:
             continue

@@ -2,14 +2,18 @@
 
 One pass of the layer's calibration inputs does everything the steps need: ModelOpt's max
 calibration sets every quantizer's range while forward hooks gather the AWQ search's statistics
-(each fold group's inputs) and GPTQ's Hessians. Then the search picks each group's scale, the fold
-moves the scales into norms and projections, and GPTQ rounds the folded weights. What folding did
-to each weight is kept per layer, on disk beside ModelOpt's layer checkpoints, for the retention
-check and for a calibration that resumes.
+(each fold group's inputs) and GPTQ's Hessians, routed experts' among them (per expert, from the
+tokens routed to it; experts beyond the first chunk that fits the Hessian budget get one more pass
+each, with quantization off, before anything in the layer changed). GPTQ rounds the routed experts
+first (folding does not touch them), then the search picks each group's scale, the fold moves the
+scales into norms and projections, and GPTQ rounds the folded weights. What folding did to each
+weight, and how many expert projections GPTQ rounded, are kept per layer, on disk beside
+ModelOpt's layer checkpoints, for the retention check, the report and a calibration that resumes.
 """
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Callable
 from pathlib import Path
@@ -29,10 +33,14 @@ class LayerPass:
         self.layers = layers
         self.factors_dir = factors_dir
         self.factors: fold.Factors = {}
+        # Per routed-expert module: [projections GPTQ rounded, projections that kept max calibration].
+        self.experts: dict[str, list[int]] = {}
         if factors_dir is not None and factors_dir.is_dir():
             for path in sorted(factors_dir.glob("*.pt")):
                 # Written by this pipeline into the job's own state directory, never user-supplied.
                 self.factors.update(torch.load(path, weights_only=True))
+            for path in sorted(factors_dir.glob("*.experts.json")):
+                self.experts.update(json.loads(path.read_text()))
 
     @torch.no_grad()
     def __call__(self, layer: torch.nn.Module, forward_loop: Callable[[torch.nn.Module], None]) -> None:
@@ -48,13 +56,20 @@ class LayerPass:
             for _, module in group.members[:1]  # members read the same input
         ]
         hessians = gptq.Hessians(layer, self.gptq.hessian_stride) if self.gptq else None
+        chunks = gptq.expert_chunks(layer, gptq.expert_hessian_bytes()) if self.gptq else []
+        # Every token routed to an expert counts (an expert sees k/experts of them: no stride).
+        experts = gptq.ExpertHessians(layer, 1, chunks[0]) if self.gptq and chunks else None
         try:
             max_calibrate(layer, forward_loop)
         finally:
             for handle in handles:
                 handle.remove()
-            if hessians is not None:
-                hessians.remove()
+            for collector in (hessians, experts):
+                if collector is not None:
+                    collector.remove()
+        rounded: dict[str, list[int]] = {}
+        if self.gptq and experts is not None:
+            rounded = self._round_experts(layer, forward_loop, experts, chunks[1:], prefix)
         factors: fold.Factors = {}
         if self.awq:
             searched = [g for g in groups if g.tokens > 0]  # an expert no token reached keeps max
@@ -63,12 +78,50 @@ class LayerPass:
             factors = fold.fold_layer(layer, prefix)
         if self.gptq and hessians is not None:
             gptq.quantize_layer(layer, hessians, prefix, factors, self.gptq.damp)
-        self._record(index, factors)
+        self._record(index, factors, rounded)
 
-    def _record(self, index: int, factors: fold.Factors) -> None:
+    def _round_experts(
+        self,
+        layer: torch.nn.Module,
+        forward_loop: Callable[[torch.nn.Module], None],
+        first: gptq.ExpertHessians,
+        rest: list[range],
+        prefix: str,
+    ) -> dict[str, list[int]]:
+        """GPTQ on the routed experts, chunk by chunk: the first chunk's Hessians came with the
+        calibration pass; each other chunk's come from one more pass with every quantizer off (the
+        same unquantized inputs: nothing in the layer has changed yet but experts already rounded,
+        and an expert's inputs don't depend on the others')."""
+        from modelopt.torch.quantization.conversion import set_quantizer_by_cfg_context
+
+        assert self.gptq is not None
+        totals: dict[str, list[int]] = {}
+
+        def add(counts: dict[str, list[int]]) -> None:
+            for name, (done, kept) in counts.items():
+                total = totals.setdefault(prefix + name, [0, 0])
+                total[0] += done
+                total[1] += kept
+
+        add(gptq.quantize_experts(first, self.gptq.damp))
+        for chunk in rest:
+            collector = gptq.ExpertHessians(layer, 1, chunk)
+            try:
+                with set_quantizer_by_cfg_context(layer, [{"quantizer_name": "*", "enable": False}]):
+                    forward_loop(layer)
+            finally:
+                collector.remove()
+            add(gptq.quantize_experts(collector, self.gptq.damp))
+        return totals
+
+    def _record(self, index: int, factors: fold.Factors, experts: dict[str, list[int]]) -> None:
         self.factors.update(factors)
+        self.experts.update(experts)
         if self.factors_dir is not None:
             self.factors_dir.mkdir(parents=True, exist_ok=True)
             tmp = self.factors_dir / f"{index}.tmp"
             torch.save(factors, tmp)
             os.replace(tmp, self.factors_dir / f"{index}.pt")
+            tmp = self.factors_dir / f"{index}.experts.tmp"
+            tmp.write_text(json.dumps(experts))
+            os.replace(tmp, self.factors_dir / f"{index}.experts.json")

@@ -1,5 +1,6 @@
 """A PEFT LoRA adapter's files, checked without torch: its config, its safetensors header, its
-LoRA matrices against the base's weight shapes.
+LoRA matrices against the base's weight shapes (``base_weight_shapes``, which builds that table
+from a base checkpoint, asks transformers for the model's names).
 
 The service checks an uploaded adapter with these before it stores anything, and the merge plans
 its work with the same ``lora_modules``, so an adapter that registers is one the merge can apply.
@@ -17,7 +18,7 @@ import json
 import math
 import re
 import struct
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
@@ -199,13 +200,66 @@ def lora_pairs(shapes: dict[str, Shape]) -> tuple[dict[str, dict[str, str]], dic
 # PEFT's defaults for a config that leaves them out.
 DEFAULT_R = 8
 DEFAULT_ALPHA = 8
-# The base's shape of a tensor by name, None where the base has no such tensor.
-BaseShape = Callable[[str], "Shape | None"]
+BASE_LAYER = ".base_layer"
+
+
+class BaseTensors:
+    """A base model's tensors as an adapter is checked against them: each one's shape by the name
+    the transformers model uses (``mlp.experts.gate_up_proj``) and by the name the checkpoint stores
+    it under where that differs (``block_sparse_moe.experts.3.w1.weight``, as adapters trained on
+    per-expert modules name their targets).
+
+    ``normalized``: the names are kept with their layer and expert indices as ``*`` (the catalogue's
+    table), and a name whose layer is past ``layers`` is refused with the count.
+    """
+
+    def __init__(
+        self,
+        shapes: dict[str, Shape],
+        transposed: Iterable[str] = (),
+        normalized: bool = False,
+        layers: int | None = None,
+    ) -> None:
+        self.shapes = shapes
+        self.transposed_names = set(transposed)
+        self.normalized = normalized
+        self.layers = layers
+        self._modules: dict[str, list[str]] = {}
+        for name in shapes:
+            self._modules.setdefault(name.rpartition(".")[0], []).append(name)
+
+    def _key(self, name: str) -> str:
+        if not self.normalized:
+            return name
+        index = layer_index(name)
+        if self.layers is not None and index is not None and index >= self.layers:
+            raise UserError(f"the adapter targets {clip(name.removesuffix('.weight'), 80)}, but the base has {self.layers} layers")
+        return normalize(name)
+
+    def shape(self, name: str) -> Shape | None:
+        found = self.shapes.get(self._key(name))
+        return tuple(found) if found is not None else None
+
+    def params(self, module: str) -> list[str]:
+        """The names of ``module``'s own tensors (``module.X``), as the adapter would name them."""
+        key = self._key(module + ".x").removesuffix(".x")
+        return [module + "." + name.rpartition(".")[2] for name in self._modules.get(key, [])]
+
+    def transposed(self, name: str) -> bool:
+        """Whether the 3-D expert tensor ``name`` is stored [experts, in, out] (else [experts, out, in])."""
+        return self._key(name) in self.transposed_names
 
 
 @dataclass(frozen=True)
 class LoraPair:
-    """One module's LoRA matrices, checked: both present, 2-D, of one rank."""
+    """One module's LoRA matrices, checked: both present, of one rank.
+
+    A pair on a Linear module (``target_modules``) changes ``{module}.weight``; one on a parameter
+    (PEFT's ``target_parameters``, ``module`` then names the parameter) changes that tensor, and on
+    a 3-D tensor of routed experts ([experts, out, in]) holds every expert's matrices: A is
+    [experts * r, in] (expert-major), B is [out, r * experts] (expert-minor), as PEFT's ParamWrapper
+    stores them.
+    """
 
     module: str  # the module's name in the base model: model.layers.0.self_attn.q_proj
     a: str  # the stored names of A ([r, in]) and B ([out, r]); transposed under fan_in_fan_out
@@ -213,12 +267,15 @@ class LoraPair:
     embedding: bool
     transposed: bool
     rank: int
-    change: tuple[int, int]  # the shape of the change it makes: the target weight's
+    change: tuple[int, ...]  # the shape of the change it makes: the target weight's
     scaling: float | None  # alpha / r (alpha / sqrt(r) under rsLoRA); None until the config is read
+    parameter: bool = False  # a target_parameters pair: ``module`` names the tensor itself
+    experts: int = 1  # the number of experts a 3-D target stacks
+    experts_transposed: bool = False  # the 3-D target is [experts, in, out]
 
     @property
     def target(self) -> str:
-        return f"{self.module}.weight"
+        return self.module if self.parameter else f"{self.module}.weight"
 
 
 def _pair(module: str, parts: dict[str, str], shapes: dict[str, Shape], transposed: bool) -> LoraPair:
@@ -237,6 +294,25 @@ def _pair(module: str, parts: dict[str, str], shapes: dict[str, Shape], transpos
     return LoraPair(module, a, b, embedding, transposed, a_shape[0], change, None)
 
 
+def _parameter_pair(pair: LoraPair, target: str, shape: Shape, transposed: bool) -> LoraPair | None:
+    """``pair`` as PEFT's ParamWrapper on the tensor ``target`` of ``shape``, if its matrices fit it."""
+    if pair.embedding or pair.transposed:
+        return None
+    if len(shape) == 2:
+        fits = pair.change == tuple(shape)
+        return dataclasses.replace(pair, module=target, parameter=True) if fits else None
+    if len(shape) != 3:
+        return None
+    experts, d1, d2 = shape
+    inputs, outputs = (d1, d2) if transposed else (d2, d1)
+    if pair.change != (outputs, inputs) or pair.rank % experts:
+        return None
+    return dataclasses.replace(
+        pair, module=target, parameter=True, rank=pair.rank // experts, change=tuple(shape), experts=experts,
+        experts_transposed=transposed,
+    )
+
+
 def _scaled(pair: LoraPair, config: dict[str, Any], ranks: Patterns, alphas: Patterns) -> LoraPair:
     """The pair with its scaling, if the config gives it the rank its matrices have (PEFT builds
     each module at the config's rank, and can't load matrices of another)."""
@@ -251,8 +327,16 @@ def _scaled(pair: LoraPair, config: dict[str, Any], ranks: Patterns, alphas: Pat
     return dataclasses.replace(pair, scaling=scaling)
 
 
+def _mismatch(pair: LoraPair, expected: Shape) -> UserError:
+    change = "x".join(str(d) for d in pair.change)
+    return UserError(
+        f"the adapter's {clip(pair.module, 80)}: it makes a {change} change, but the base's "
+        f"{clip(pair.target, 80)} is {'x'.join(str(d) for d in expected)}: the adapter was trained on another base model"
+    )
+
+
 def _fitting_pair(
-    module: str, parts: dict[str, str], shapes: dict[str, Shape], orientations: list[bool], base_shape: BaseShape | None
+    module: str, parts: dict[str, str], shapes: dict[str, Shape], orientations: list[bool], base: BaseTensors | None
 ) -> LoraPair | None:
     """The module's pair in the first orientation whose change fits the base (None: the base has
     no such target), or the first problem found."""
@@ -263,49 +347,102 @@ def _fitting_pair(
         except UserError as exc:
             problem = problem or exc
             continue
-        expected = base_shape(pair.target) if base_shape is not None else pair.change
+        expected = base.shape(pair.target) if base is not None else pair.change
         if expected is None:
             return None
         if tuple(expected) == pair.change:
             return pair
-        problem = problem or UserError(
-            f"the adapter's {clip(module, 80)}: it makes a {pair.change[0]}x{pair.change[1]} change, but the base's "
-            f"{clip(pair.target, 80)} is {expected[0]}x{expected[1]}: the adapter was trained on another base model"
-        )
+        problem = problem or _mismatch(pair, expected)
     assert problem is not None
     raise problem
 
 
+def _parameter_pairs(
+    wrappers: list[tuple[str, dict[str, str]]], shapes: dict[str, Shape], config: dict[str, Any] | None, base: BaseTensors | None
+) -> list[LoraPair] | None:
+    """The pairs of PEFT's ParamWrappers on one module (``m``, ``m.base_layer``, ...: one per tensor
+    of ``m`` the adapter targets), each matched to the one tensor of ``m`` its matrices fit.
+
+    None when the base has no tensor for them (the caller reports the module as missing).
+    """
+    if base is None:
+        return None
+    module = wrappers[0][0].replace(BASE_LAYER, "")
+    wanted = [str(t) for t in (config or {}).get("target_parameters") or []]
+    tensors = [
+        name for name in base.params(module)
+        if (shape := base.shape(name)) is not None and len(shape) in (2, 3)
+        and (not wanted or any(name == t or name.endswith("." + t) for t in wanted))
+    ]
+    pairs: list[LoraPair] = []
+    for key, parts in wrappers:
+        pair = _pair(key, parts, shapes, False)
+        fitting = []
+        for name in tensors:
+            shape = base.shape(name)
+            assert shape is not None
+            fitted = _parameter_pair(pair, name, shape, base.transposed(name))
+            if fitted is not None:
+                fitting.append(fitted)
+        taken = {p.target for p in pairs}
+        fitting = [p for p in fitting if p.target not in taken]
+        if not fitting:
+            if not tensors:
+                return None
+            raise UserError(
+                f"the adapter's {clip(key, 80)}: its LoRA matrices {shapes[pair.a]} and {shapes[pair.b]} fit none of "
+                f"the base's {', '.join(clip(t, 80) for t in tensors)}: the adapter was trained on another base model"
+            )
+        if len(fitting) > 1:
+            raise UserError(
+                f"the adapter's {clip(key, 80)}: its LoRA matrices fit more than one of the base's tensors "
+                f"({', '.join(p.target for p in fitting)}), so which one it changes is ambiguous"
+            )
+        pairs.append(fitting[0])
+    return pairs
+
+
 def lora_modules(
-    shapes: dict[str, Shape], config: dict[str, Any] | None, base_shape: BaseShape | None = None
+    shapes: dict[str, Shape], config: dict[str, Any] | None, base: BaseTensors | None = None
 ) -> tuple[list[LoraPair], dict[str, str]]:
     """The adapter's LoRA pairs and the tensors it saves whole (``modules_to_save``: base name ->
     stored name), checked as the merge will apply them.
 
     Every pair is complete, 2-D and of one rank; with the config, that rank is the one it gives the
-    module, and each pair gets its scaling. With ``base_shape``, each change and each whole tensor
-    has the shape of the base tensor it replaces or adds to. Without the config (not read yet),
-    either orientation of ``fan_in_fan_out`` is accepted.
+    module, and each pair gets its scaling. With ``base``, each change and each whole tensor has
+    the shape of the base tensor it replaces or adds to: a pair on a Linear module changes its
+    ``weight``; pairs on the module's other tensors (``target_parameters``: routed experts' 3-D
+    ``gate_up_proj`` and ``down_proj``, a router's weight) change the tensor their matrices fit.
+    Without the config (not read yet), either orientation of ``fan_in_fan_out`` is accepted.
     """
     pairs, whole = lora_pairs(shapes)
     if not pairs and not whole:
         raise UserError(f"{WEIGHTS_NAME} holds no LoRA weights")
     orientations = [bool(config.get("fan_in_fan_out"))] if config is not None else [False, True]
     ranks, alphas = (Patterns(config, "rank_pattern"), Patterns(config, "alpha_pattern")) if config else (None, None)
-    checked, missing = [], []
+    checked: list[LoraPair] = []
+    missing: list[str] = []
+    wrapped: dict[str, list[tuple[str, dict[str, str]]]] = {}
     for module, parts in sorted(pairs.items()):
-        pair = _fitting_pair(module, parts, shapes, orientations, base_shape)
-        if pair is None:
-            missing.append(module)
+        wrapped.setdefault(module.replace(BASE_LAYER, ""), []).append((module, parts))
+    for clean, wrappers in sorted(wrapped.items()):
+        found: list[LoraPair] | None = []
+        if len(wrappers) == 1 and BASE_LAYER not in wrappers[0][0]:
+            pair = _fitting_pair(clean, wrappers[0][1], shapes, orientations, base)
+            found = [pair] if pair is not None else None
+        if not found:
+            found = _parameter_pairs(wrappers, shapes, config, base)
+        if found is None:
+            missing.extend(m for m, _ in wrappers)
             continue
-        checked.append(_scaled(pair, config, ranks, alphas) if config is not None and ranks and alphas else pair)
+        checked.extend(_scaled(p, config, ranks, alphas) if config is not None and ranks and alphas else p for p in found)
     if missing:
         raise UserError(
             f"the adapter targets modules the base model does not have: {', '.join(clip(m, 80) for m in missing[:5])}"
             + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
         )
     for name, stored in whole.items():
-        expected = base_shape(name) if base_shape is not None else shapes[stored]
+        expected = base.shape(name) if base is not None else shapes[stored]
         if expected is None:
             raise UserError(f"the adapter saves {clip(name, 80)}, which the base model does not have")
         if tuple(expected) != shapes[stored]:
@@ -316,38 +453,35 @@ def lora_modules(
     return checked, whole
 
 
-def table_shapes(table: dict[str, Any]) -> BaseShape | None:
-    """``base_shape`` from the table ``base_weight_shapes`` makes (shapes by normalized name and
+def table_base(table: dict[str, Any]) -> BaseTensors | None:
+    """The base tensors of the table ``base_weight_shapes`` makes (shapes by normalized name and
     the number of layers); None when the table holds no shapes."""
-    tensors, layers = table.get("tensors") or {}, table.get("layers")
+    tensors = table.get("tensors") or {}
     if not tensors:
         return None
-
-    def shape(name: str) -> Shape | None:
-        index = layer_index(name)
-        if layers is not None and index is not None and index >= layers:
-            raise UserError(f"the adapter targets {clip(name.removesuffix('.weight'), 80)}, but the base has {layers} layers")
-        found = tensors.get(normalize(name))
-        return tuple(found) if found is not None else None
-
-    return shape
+    shapes = {name: tuple(shape) for name, shape in tensors.items()}
+    return BaseTensors(shapes, table.get("transposed") or (), normalized=True, layers=table.get("layers"))
 
 
 def check_against_base(shapes: dict[str, Shape], config: dict[str, Any] | None, base: dict[str, Any] | None) -> None:
     """``lora_modules`` against a base's table of weight shapes (``{"layers": N, "tensors":
     {normalized name: shape}}``), as an upload is checked before it is stored."""
-    lora_modules(shapes, config, table_shapes(base or {}))
+    lora_modules(shapes, config, table_base(base or {}))
 
 
 def base_weight_shapes(directory: Path) -> dict[str, Any]:
     """The table ``check_against_base`` takes, read from a base checkpoint's config and safetensors
-    headers (the weights themselves are not read)."""
+    headers (the weights themselves are not read): every tensor's shape by its stored name and by
+    the name transformers' model of the config gives it (routed experts fused), layer and expert
+    indices as ``*``, and which 3-D expert tensors are stored [experts, in, out]."""
+    from ..model.experts import CheckpointNames
+
     try:
         config = json.loads((directory / "config.json").read_text())
         layers = int(config.get("text_config", config)["num_hidden_layers"])
     except (OSError, ValueError, KeyError, TypeError) as exc:
         raise UserError(f"{directory.name}: no readable config.json with num_hidden_layers ({exc})") from None
-    tensors: dict[str, list[int]] = {}
+    stored: dict[str, list[int]] = {}
     files = sorted(directory.glob("*.safetensors"))
     if not files:
         raise UserError(f"{directory.name} holds no .safetensors weights")
@@ -357,5 +491,13 @@ def base_weight_shapes(directory: Path) -> dict[str, Any]:
             header = json.loads(f.read(length))
         header.pop("__metadata__", None)
         for name, entry in header.items():
-            tensors.setdefault(normalize(name), list(entry["shape"]))
-    return {"layers": layers, "tensors": dict(sorted(tensors.items()))}
+            stored[name] = list(entry["shape"])
+    names = CheckpointNames(config, list(stored))
+    tensors: dict[str, list[int]] = {}
+    for name, shape in [*stored.items(), *((n, list(s)) for n, s in names.shapes.items())]:
+        tensors.setdefault(normalize(name), shape)
+    return {
+        "layers": layers,
+        "tensors": dict(sorted(tensors.items())),
+        "transposed": sorted({normalize(n) for n in names.transposed}),
+    }

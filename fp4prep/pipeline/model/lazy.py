@@ -9,10 +9,11 @@ from __future__ import annotations
 import re
 from collections.abc import Iterator, Mapping, MutableMapping
 from pathlib import Path
+from typing import Any
 
 import torch
 
-from .experts import ExpertLayout, stack
+from .experts import CheckpointNames
 from .memory import trim_heap
 
 _LAYER = re.compile(r"^.*?\.layers\.\d+\.")
@@ -24,17 +25,20 @@ TRIM_AFTER_BYTES = 32 << 20
 class LazyWeights(Mapping[str, torch.Tensor]):
     """Tensors by the names a transformers model uses, each computed when asked for.
 
-    Subclasses read one stored tensor (``stored``) in ``dtype`` on ``device``, where whatever
-    arithmetic it takes (merging, dequantizing) is done; stacked expert tensors are assembled here
-    from the stored per-expert ones.
+    Subclasses read one stored tensor by its stored name (``stored``) in ``dtype`` on ``device``,
+    where whatever arithmetic it takes (merging, dequantizing) is done; the stored names map onto the
+    model's as ``from_pretrained`` maps them (``experts.CheckpointNames``: renamed, per-expert
+    tensors fused), and ``model_tensor`` may change a model tensor once it is assembled.
     """
 
-    def __init__(self, stored_names: list[str], dtype: torch.dtype, device: torch.device | str = "cpu") -> None:
-        self.layout = ExpertLayout(stored_names)
+    def __init__(
+        self, config: dict[str, Any], stored_names: list[str], dtype: torch.dtype, device: torch.device | str = "cpu"
+    ) -> None:
+        self.names = CheckpointNames(config, stored_names)
         self.dtype = dtype
         self.device = torch.device(device)
-        self._names = self.layout.names()
-        self._stored = set(stored_names)
+        self._names = self.names.names()
+        self._stored_names = set(stored_names)
         # ModelOpt writes materialized weights back into ``weights_map.state_dict`` for the keys it
         # holds. Until ``keep_written`` gives it a store, it holds none: calibrations that only set
         # amax have nothing to keep.
@@ -55,16 +59,20 @@ class LazyWeights(Mapping[str, torch.Tensor]):
     def stored_shape(self, name: str) -> tuple[int, ...]:
         raise NotImplementedError
 
+    def model_tensor(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        """The model tensor ``name`` as assembled from the stored ones; subclasses may change it."""
+        return tensor
+
     def __getitem__(self, name: str) -> torch.Tensor:
-        parts = self.layout.parts(name)
+        fused = self.names.fused.get(name)
         if isinstance(self.state_dict, WrittenBack) and self.state_dict.holds(name):
             tensor = self.state_dict.load(name)
-        elif parts is not None:
-            tensor = stack(parts, self.stored, self.stored_shape)
-        elif name not in self._stored:
-            raise KeyError(name)
+        elif fused is not None:
+            tensor = self.model_tensor(name, fused.assemble(name, self.stored, self.stored_shape))
+        elif name in self.names.plain:
+            tensor = self.model_tensor(name, self.stored(self.names.plain[name]))
         else:
-            tensor = self.stored(name)
+            raise KeyError(name)
         self._read += tensor.numel() * tensor.element_size()
         layer = _LAYER.match(name)
         key = layer[0] if layer else None
@@ -81,11 +89,15 @@ class LazyWeights(Mapping[str, torch.Tensor]):
         return len(self._names)
 
     def __contains__(self, name: object) -> bool:
-        return isinstance(name, str) and (name in self._stored or self.layout.parts(name) is not None)
+        return isinstance(name, str) and (name in self.names.plain or name in self.names.fused)
+
+    def holds_stored(self, name: str) -> bool:
+        """Whether the checkpoint stores a tensor under ``name``."""
+        return name in self._stored_names
 
     def numel(self, name: str) -> int:
-        parts = self.layout.parts(name)
-        names = [n for expert in parts for n in expert] if parts is not None else [name]
+        fused = self.names.fused.get(name)
+        names = fused.stored_names() if fused is not None else [self.names.plain[name]]
         total = 0
         for n in names:
             count = 1

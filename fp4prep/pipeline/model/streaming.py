@@ -81,7 +81,7 @@ def attach(
         module = model.get_submodule(module_name)
         # Persistent buffers the checkpoint holds (a router's bias) come from it; the rest (rotary
         # tables) were computed when the skeleton was built.
-        value = weights.stored(name).to(buffer.dtype) if name in weights else buffer
+        value = weights[name].to(buffer.dtype) if name in weights else buffer
         module._buffers[leaf] = value.to(compute.device)
 
     embeddings = model.get_input_embeddings()
@@ -169,7 +169,7 @@ def dense_config(config: dict[str, Any]) -> dict[str, Any]:
     return config
 
 
-def hf_config(config: dict[str, Any], name_or_path: Path) -> Any:
+def hf_config(config: dict[str, Any], name_or_path: Path | None) -> Any:
     """A transformers config object for the BF16 model of ``config`` (a causal LM), ``architectures`` set."""
     from transformers import AutoConfig
 
@@ -184,7 +184,8 @@ def hf_config(config: dict[str, Any], name_or_path: Path) -> Any:
     if not getattr(result, "architectures", None):
         result.architectures = [_causal_lm_class(result)]
     # Export copies *.py files from here for remote-code models; never the working directory's.
-    result._name_or_path = str(name_or_path)
+    if name_or_path is not None:
+        result._name_or_path = str(name_or_path)
     return result
 
 

@@ -63,12 +63,29 @@ class DequantizedWeights(LazyWeights):
         self.quantized = {n[: -len(".weight_scale")] for n in names if n.endswith(".weight_scale")}
         dense = [n for n in sorted(names) if n.rpartition(".")[0] not in self.quantized]
         dense += [f"{m}.weight" for m in sorted(self.quantized)]
-        super().__init__(dense, dtype, device)
+        super().__init__(self.config, dense, dtype, device)
 
     @cached_property
     def activations(self) -> dict[str, ActivationQuant]:
         names = set(self.source.names())
         return {m: q for m in sorted(self.quantized) if (q := self._activation_quant(m, names))}
+
+    def model_activations(self) -> tuple[dict[str, ActivationQuant], dict[str, list[ActivationQuant]]]:
+        """The input quantization by the model's names: of each quantized Linear module, and per
+        expert of each fused expert tensor (its first stored part's: engines quantize the input of
+        an expert's gate and up projections once, with the gate's scale)."""
+        activations = self.activations
+        linear = {
+            model[: -len(".weight")]: q
+            for model, stored in self.names.plain.items()
+            if stored.endswith(".weight") and (q := activations.get(stored[: -len(".weight")])) is not None
+        }
+        experts = {}
+        for model, fused in self.names.fused.items():
+            per_expert = fused.per_expert()
+            if per_expert is not None:
+                experts[model] = [activations.get(parts[0].removesuffix(".weight"), _identity) for parts in per_expert]
+        return linear, experts
 
     def stored_shape(self, name: str) -> tuple[int, ...]:
         module = name.rpartition(".")[0]
@@ -146,19 +163,16 @@ def load(
     """The checkpoint as a model that computes what a serving engine computes, one layer at a time
     (in ``numerics`` where given: the engine's on hardware that runs other than declared)."""
     weights = DequantizedWeights(directory, compute.dtype, compute.device, numerics)
-    activations = weights.activations if quantize_activations else {}
+    linear, experts = weights.model_activations() if quantize_activations else ({}, {})
 
     def engine_numerics(model: torch.nn.Module) -> None:
         for name, module in model.named_modules():
-            if name in activations:
-                module.register_forward_pre_hook(
-                    lambda m, args, q=activations[name]: (q(args[0]),) + tuple(args[1:])
-                )
+            if name in linear:
+                module.register_forward_pre_hook(lambda m, args, q=linear[name]: (q(args[0]),) + tuple(args[1:]))
             gate_up = getattr(module, "gate_up_proj", None)
-            if activations and isinstance(gate_up, torch.Tensor) and gate_up.dim() == 3:
+            gu, down = experts.get(f"{name}.gate_up_proj"), experts.get(f"{name}.down_proj")
+            if isinstance(gate_up, torch.Tensor) and gate_up.dim() == 3 and (gu or down):
                 n = gate_up.shape[0]
-                gu = [activations.get(f"{name}.{e}.gate_proj", _identity) for e in range(n)]
-                down = [activations.get(f"{name}.{e}.down_proj", _identity) for e in range(n)]
-                module.forward = _quantized_experts_forward(module, gu, down)
+                module.forward = _quantized_experts_forward(module, gu or [_identity] * n, down or [_identity] * n)
 
     return streaming.build(weights.config, weights, compute, directory, before_hooks=engine_numerics)

@@ -139,6 +139,15 @@ def _run_figures(report: dict[str, Any]) -> list[Figure]:
     if experts:
         least = min(min(v) for v in experts.values())
         rows.append(Figure("MoE experts", "every expert calibrated", f"the fewest tokens one expert got: {least}"))
+    rounding = report.get("expert_gptq")
+    if rounding:
+        done, kept = sum(v[0] for v in rounding.values()), sum(v[1] for v in rounding.values())
+        rows.append(Figure(
+            "Routed experts rounded by GPTQ", f"{done} of {done + kept} expert projections",
+            "every one" if not kept else
+            f"{kept} kept max calibration (fewer tokens reached them than their input width): "
+            + ", ".join(f"{layer} {v[1]}" for layer, v in rounding.items() if v[1]),
+        ))
     seconds = report.get("stage_seconds") or {}
     if seconds:
         rows.append(Figure("Pipeline time", f"{sum(seconds.values()):.1f} s",

@@ -23,8 +23,9 @@ def retention(
     """
     per_tensor: dict[str, float] = {}
     num = den = 0.0
+    model_name = merged.names.stored_of()
     for name in merged.targets():
-        if name not in dequantized:
+        if not dequantized.holds_stored(name):
             continue
         b = merged.source.get(name, torch.float32, merged.device)
         delta = merged.merged(name).float() - b
@@ -32,7 +33,7 @@ def retention(
         if dd == 0.0:
             continue
         stored = dequantized.stored(name).to(b.device, torch.float32)
-        folded = (factors or {}).get(name, {})
+        folded = (factors or {}).get(model_name.get(name, name), {})
         if "in_scale" in folded:
             stored = stored * folded["in_scale"].to(b.device).reshape(1, -1)
         if "out_scale" in folded:
