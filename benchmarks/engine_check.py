@@ -11,13 +11,17 @@ project's torch through a path file), so nothing in fp4prep's own environment ch
         tests/pipeline/test_engine_numerics.py compares fp4prep's arithmetic with.
 
     .venv/bin/python benchmarks/engine_check.py demo [--format nvfp4|fp8|all]
-        The demo's job for each format (its recipe, quality gate off), then its checkpoint run two
-        ways over the job's held-back conversations: fp4prep's reload (its own reader, the engine's
-        activation arithmetic) and vLLM's emulation of every quantized linear layer (vLLM reading
-        the stored tensors as its loader's post-processing leaves them, dequantizing the weights,
-        quantizing the input, the matmul), everything else alike. Prints what vLLM read and the
-        agreement of the two models' logits (top-1, KL) on the assistant's answers.
-        MXFP4's emulation in vLLM needs AMD's quark kernels and is not run here.
+        The demo's job for each format (its recipe, quality gate off); then vLLM's own loader loads
+        the checkpoint on the CPU (config discovery, the quantization config, the real model class,
+        ``load_weights``, every layer's ``process_weights_after_loading``) and prints what it made
+        of it: the quantized layers, their kernel, the tensors it placed in one. The checkpoint is
+        then run over the job's held-back conversations with every quantized linear layer computed
+        by the layer vLLM loaded (its ``quant_method.apply``: for NVFP4 vLLM's emulation kernel,
+        the one it falls back to where no optimized kernel runs; for FP8 its CPU kernel), everything
+        else alike, and compared with fp4prep's reload (its own reader, the engine's activation
+        arithmetic), with vLLM's emulation functions applied to the stored tensors, and with
+        ModelOpt's arithmetic for the inputs: the agreement of the logits (top-1, KL) on the
+        assistant's answers. MXFP4's emulation in vLLM needs AMD's quark kernels and is not run here.
 """
 
 from __future__ import annotations
@@ -151,6 +155,88 @@ def emulated(directory: Path, compute: object) -> object:
     return model
 
 
+def loaded_by_vllm(directory: Path) -> object:
+    """The checkpoint as vLLM's own loader makes it, on the CPU: its config discovery and quantization
+    config, the real model class, ``load_weights`` and every layer's ``process_weights_after_loading``.
+    vLLM lists no NVFP4 kernel for the CPU platform; its emulation kernel (what it falls back to
+    where no optimized one runs) is put in that list, and FP8 takes vLLM's own choice. The loader's
+    call that empties the GPU allocator's cache is skipped: there is none."""
+    import torch
+    import vllm.model_executor.kernels.linear as kernels
+    from vllm.config import DeviceConfig, LoadConfig, ModelConfig, VllmConfig, set_current_vllm_config
+    from vllm.distributed import init_distributed_environment, initialize_model_parallel
+    from vllm.model_executor.model_loader import get_model_loader
+    from vllm.platforms import current_platform
+
+    kernels._POSSIBLE_NVFP4_KERNELS[current_platform._enum] = [kernels.EmulationNvFp4LinearKernel]
+    torch.accelerator.empty_cache = lambda: None  # the loader frees its allocator's cache; a CPU has none
+    model_config = ModelConfig(model=str(directory), dtype="bfloat16", enforce_eager=True)
+    config = VllmConfig(model_config=model_config, load_config=LoadConfig(), device_config=DeviceConfig(device="cpu"))
+    with set_current_vllm_config(config):
+        init_distributed_environment(
+            world_size=1, rank=0, local_rank=0, backend="gloo", distributed_init_method=f"file://{directory}/.vllm-init"
+        )
+        initialize_model_parallel(1, 1)
+        model = get_model_loader(config.load_config).load_model(vllm_config=config, model_config=model_config)
+    quantized: dict[str, list[str]] = {}
+    for name, module in model.named_modules():
+        method = getattr(module, "quant_method", None)
+        kernel = getattr(method, "kernel", None)
+        if method is not None and not type(method).__name__.startswith("Unquantized"):
+            label = f"{type(method).__name__} ({type(kernel).__name__ if kernel is not None else 'its own apply'})"
+            quantized.setdefault(label, []).append(name)
+    print(f"vLLM {VLLM} loaded {model_config.architecture} with quantization {model_config.quantization!r}: "
+          + "; ".join(f"{len(names)} layers by {label}" for label, names in quantized.items()), flush=True)
+    first = next(names[0] for label, names in quantized.items() if "LinearMethod" in label)
+    placed = {n: (tuple(p.shape), str(p.dtype).removeprefix("torch.")) for n, p in model.named_parameters() if n.startswith(first + ".")}
+    print(f"placed in {first}: " + ", ".join(f"{n.rpartition('.')[2]} {shape} {dtype}" for n, (shape, dtype) in placed.items()))
+    model.vllm_config = config  # type: ignore[attr-defined]
+    return model
+
+
+def vllm_computed(directory: Path, compute: object) -> object:
+    """The checkpoint with every quantized linear layer computed by the layer vLLM's loader made
+    (``quant_method.apply``: its kernel on the tensors as its post-processing left them); q/k/v and
+    gate/up are one fused layer there, computed once per input and split."""
+    import torch
+    from vllm.config import set_current_vllm_config
+
+    from fp4prep.pipeline.validation import reader
+
+    theirs = loaded_by_vllm(directory)
+    modules = dict(theirs.named_modules())  # type: ignore[attr-defined]
+    ours = reader.load(directory, compute, quantize_activations=False)  # type: ignore[arg-type]
+    packed = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
+              "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
+    last: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def run(layer_name: str, part: int | None, x: torch.Tensor) -> torch.Tensor:
+        layer = modules[layer_name]
+        cached = last.get(layer_name)
+        if cached is None or cached[0] is not x:
+            with set_current_vllm_config(theirs.vllm_config), torch.no_grad():  # type: ignore[attr-defined]
+                flat = x.reshape(-1, x.shape[-1]).to(torch.bfloat16)
+                out = layer.quant_method.apply(layer, flat, None).to(x.dtype)
+            last[layer_name] = cached = (x, out)
+        out = cached[1]
+        if part is not None:
+            sizes = list(layer.output_sizes)
+            start = sum(sizes[:part])
+            out = out[:, start : start + sizes[part]]
+        return out.reshape(*x.shape[:-1], -1)
+
+    for name, module in ours.named_modules():
+        if not isinstance(module, torch.nn.Linear):
+            continue
+        parent, _, leaf = name.rpartition(".")
+        target, part = (f"{parent}.{packed[leaf][0]}", packed[leaf][1]) if leaf in packed else (name, None)
+        layer = modules.get(target)
+        if layer is None or type(layer.quant_method).__name__ == "UnquantizedLinearMethod":
+            continue
+        module.forward = lambda x, t=target, p=part: run(t, p, x)  # type: ignore[method-assign]
+    return ours
+
+
 def modelopt_arithmetic(directory: Path, compute: object) -> object:
     """fp4prep's reload as it was before it followed the engine: the inputs quantized with
     ModelOpt's arithmetic (the weights' own), from the same stored scales."""
@@ -186,8 +272,9 @@ def compare(directory: Path, examples_file: Path) -> None:
     compute = device.resolve("cpu")
     examples = json.loads(examples_file.read_text())
     sequences = [e["input_ids"] for e in examples]
-    vllm = emulated(directory, compute)
+    vllm = vllm_computed(directory, compute)
     candidates = {"fp4prep's reload": reader.load(directory, compute),
+                  "vLLM's emulation functions on the stored tensors": emulated(directory, compute),
                   "ModelOpt's arithmetic for the inputs": modelopt_arithmetic(directory, compute)}
     with torch.no_grad():
         reference = parity.final_hidden_states(vllm, sequences)
@@ -200,7 +287,7 @@ def compare(directory: Path, examples_file: Path) -> None:
                     ref, got = their_head(b[rows]), our_head(a[rows])
                     tally.add(ref, got)
                     worst = max(worst, float((ref - got).abs().max()))
-            print(json.dumps({"against vLLM's emulation": label, "compute": str(compute.dtype),
+            print(json.dumps({"against vLLM's loaded layers": label, "compute": str(compute.dtype),
                               "answer_tokens": tally.tokens, "top1_agreement": round(tally.top1, 4),
                               "mean_kl": round(tally.mean_kl, 5), "max_logit_difference": round(worst, 4)}), flush=True)
 

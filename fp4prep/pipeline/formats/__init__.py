@@ -20,7 +20,7 @@ from ..errors import PipelineError, UserError
 
 # Kept in BF16 in every format, by tensor or quantizer name (``<module>.<leaf>``): the output head,
 # the embeddings and MoE routers. Norms are never Linear, so never quantized either.
-KEPT_BF16 = ("*lm_head*", "*embed_tokens*", "*mlp.gate.*", "*router*", "*shared_expert_gate*")
+KEPT_BF16 = ("*lm_head*", "*embed_tokens*", "*mlp.gate.*", "*block_sparse_moe.gate.*", "*router*", "*shared_expert_gate*")
 
 
 def stays_bf16(name: str) -> bool:
