@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from ..errors import UserError
+from .configs import hf_config
 
 Shape = tuple[int, ...]
 
@@ -129,8 +130,6 @@ def meta_model(config_json: str) -> Any:
     """The transformers model of a config with every tensor on the meta device (shapes, no memory)."""
     from accelerate import init_empty_weights
     from transformers import AutoModelForCausalLM
-
-    from .streaming import hf_config
 
     hf = hf_config(json.loads(config_json), None)
     with init_empty_weights(include_buffers=True):

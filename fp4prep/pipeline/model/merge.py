@@ -2,7 +2,7 @@
 
 ``W' = W + scaling * (B @ A)`` with ``scaling = lora_alpha / r`` (``/ sqrt(r)`` under rsLoRA),
 per-module ``rank_pattern`` / ``alpha_pattern`` honoured. What the adapter can't be applied to as it
-stands is refused with a message naming the module (``inputs.adapter_files.lora_modules``, the
+stands is refused with a message naming the module (``inputs.lora_targets.lora_modules``, the
 same check an upload passes).
 
 Nothing here holds a whole model: ``plan`` works from tensor shapes, each update reads its two LoRA
@@ -21,7 +21,8 @@ from typing import Any
 import torch
 
 from ..errors import UserError
-from ..inputs.adapter_files import CONFIG_NAME, BaseTensors, LoraPair, check_config, lora_modules, lora_pairs
+from ..inputs.adapter_files import check_config
+from ..inputs.lora_targets import CONFIG_NAME, BaseTensors, LoraPair, lora_modules, lora_pairs
 from .experts import CheckpointNames
 from .lazy import LazyWeights
 from .safetensors import SafetensorsFile, TensorSource, read_config
