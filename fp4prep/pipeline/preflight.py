@@ -25,7 +25,7 @@ def gptq_hessian_bytes(model: Any) -> int:
     routed experts' of one chunk, ``min(experts, max(1, budget // per_expert)) × per_expert`` with
     ``per_expert = 4 × (hidden² + intermediate²)`` per expert module and ``budget`` the expert
     Hessian budget (``FP4PREP_EXPERT_HESSIAN_MIB``)."""
-    from .algorithms.gptq import expert_hessian_bytes
+    from .algorithms.gptq import expert_hessian_bytes, expert_hessian_size, experts_per_chunk
 
     budget = expert_hessian_bytes()
     _, layers = streaming.decoder_layers(model)
@@ -38,8 +38,8 @@ def gptq_hessian_bytes(model: Any) -> int:
             gate_up, down = getattr(module, "gate_up_proj", None), getattr(module, "down_proj", None)
             if isinstance(gate_up, torch.Tensor) and isinstance(down, torch.Tensor) and gate_up.dim() == down.dim() == 3:
                 experts, hidden, intermediate = gate_up.shape[0], gate_up.shape[-1], down.shape[-1]
-                per_expert = 4 * (hidden**2 + intermediate**2)
-                total += min(experts, max(1, budget // per_expert)) * per_expert
+                per_expert = expert_hessian_size(hidden, intermediate)
+                total += min(experts, experts_per_chunk(per_expert, budget)) * per_expert
         most = max(most, total)
     return most
 

@@ -53,6 +53,16 @@ class _Input:
     hessian: torch.Tensor | None = None
     tokens: int = 0
 
+    def add(self, x: torch.Tensor, stride: int) -> None:
+        """Add every ``stride``-th token of ``x`` to the Hessian."""
+        flat = x.detach().reshape(-1, x.shape[-1])[::stride].float()
+        if not flat.shape[0]:
+            return
+        if self.hessian is None:
+            self.hessian = torch.zeros(flat.shape[1], flat.shape[1], device=flat.device)
+        self.hessian.addmm_(flat.T, flat)
+        self.tokens += flat.shape[0]
+
 
 class Hessians:
     """``X^T X`` of the inputs of every quantized projection of ``layer``, one per distinct input.
@@ -83,13 +93,7 @@ class Hessians:
                 self.inputs[owner].names.append(name)
             return
         owner = next((o for o, i in self.inputs.items() if name in i.names), name)
-        entry = self.inputs.setdefault(owner, _Input([name]))
-        flat = x.detach().reshape(-1, x.shape[-1])[:: self.stride].float()
-        if flat.shape[0]:
-            if entry.hessian is None:
-                entry.hessian = torch.zeros(flat.shape[1], flat.shape[1], device=flat.device)
-            entry.hessian.addmm_(flat.T, flat)
-            entry.tokens += flat.shape[0]
+        self.inputs.setdefault(owner, _Input([name])).add(x, self.stride)
         self._last = (x, owner)
 
     def remove(self) -> None:
@@ -112,6 +116,16 @@ def fused_experts(layer: torch.nn.Module) -> dict[str, Any]:
     }
 
 
+def expert_hessian_size(hidden: int, intermediate: int) -> int:
+    """The bytes of one expert's two Hessians (fp32, ``gate_up``'s input and ``down``'s)."""
+    return 4 * (hidden * hidden + intermediate * intermediate)
+
+
+def experts_per_chunk(per_expert: int, budget: int) -> int:
+    """How many experts' Hessians ``budget`` bytes hold (at least one)."""
+    return max(1, budget // per_expert)
+
+
 def expert_chunks(layer: torch.nn.Module, budget: int) -> list[range]:
     """The experts whose Hessians are gathered together: as many as ``budget`` bytes hold."""
     modules = fused_experts(layer)
@@ -120,8 +134,7 @@ def expert_chunks(layer: torch.nn.Module, budget: int) -> list[range]:
     module = next(iter(modules.values()))
     first = getattr(module, module._first_proj_attr)
     experts, hidden, intermediate = first.shape[0], first.shape[-1], module.down_proj.shape[-1]
-    per_expert = 4 * (hidden * hidden + intermediate * intermediate) * len(modules)
-    size = max(1, budget // per_expert)
+    size = experts_per_chunk(expert_hessian_size(hidden, intermediate) * len(modules), budget)
     return [range(start, min(start + size, experts)) for start in range(0, experts, size)]
 
 
@@ -151,14 +164,8 @@ class ExpertHessians:
         expert = int(module._current_expert_idx)
         if expert not in self.experts:
             return
-        flat = x.detach().reshape(-1, x.shape[-1])[:: self.stride].float()
-        if not flat.shape[0]:
-            return
-        entry = self.inputs.setdefault((name, proj, expert), _Input([proj]))
-        if entry.hessian is None:
-            entry.hessian = torch.zeros(flat.shape[1], flat.shape[1], device=flat.device)
-        entry.hessian.addmm_(flat.T, flat)
-        entry.tokens += flat.shape[0]
+        if x.numel():
+            self.inputs.setdefault((name, proj, expert), _Input([proj])).add(x, self.stride)
 
     def remove(self) -> None:
         for handle in self._handles:
