@@ -13,7 +13,11 @@ The candidates are the recipes fp4prep can run: ModelOpt's max calibration of th
 their settings varied. Candidates measured earlier and dropped (ModelOpt's AWQ-lite, MSE, local-
 Hessian and 4-over-6 weight scales, its own GPTQ, a weights-only diagnostic) are in RESULTS.md.
 
-    .venv/bin/python benchmarks/recipe_search.py [--format nvfp4|mxfp4|all] [--only NAME ...] [--json out.json]
+    .venv/bin/python benchmarks/recipe_search.py [--base dense|moe] [--format nvfp4|mxfp4|all] [--only NAME ...] [--json out.json]
+
+``--base moe`` runs the same candidates on the mixture-of-experts demo (``fp4prep.demo_moe``: the demo
+base upcycled into a Mixtral MoE, adapters trained on it with LoRA on the fused expert tensors), and
+adds how many routed-expert projections GPTQ rounded.
 """
 
 from __future__ import annotations
@@ -46,6 +50,9 @@ CANDIDATES: dict[str, tuple[str, list[tuple[str, dict[str, Any]]]]] = {
     # The AWQ search, then GPTQ on the folded weights against static scales (algorithms/gptq.py).
     "nvfp4 AWQ (alpha step 0.5) + GPTQ (Hessians from every 2nd token): the recipe": (
         "nvfp4", [(AWQ, {"alpha_step": 0.5}), (GPTQ, {"hessian_stride": 2})]),
+    # The recipe without the search on routed experts (their scales left at 1): what it adds on an MoE.
+    "nvfp4 AWQ (alpha step 0.5, not on routed experts) + GPTQ (Hessians from every 2nd token)": (
+        "nvfp4", [(AWQ, {"alpha_step": 0.5, "routed_experts": False}), (GPTQ, {"hessian_stride": 2})]),
     "nvfp4 AWQ (alpha step 1.0) + GPTQ (Hessians from every 2nd token)": (
         "nvfp4", [(AWQ, {"alpha_step": 1.0}), (GPTQ, {"hessian_stride": 2})]),
     "nvfp4 AWQ (alpha step 0.5, 1024 tokens scored) + GPTQ (Hessians from every 2nd token)": (
@@ -67,8 +74,12 @@ from pathlib import Path
 from fp4prep import demo
 from fp4prep.pipeline import PipelineConfig, Thresholds, run
 from fp4prep.pipeline import recipes
-fmt, steps, task, out, prompts = sys.argv[1], json.loads(sys.argv[2]), sys.argv[3], Path(sys.argv[4]), int(sys.argv[5])
-assets = demo.build(task=demo.TASKS[task])
+fmt, steps, task, out, prompts, base = sys.argv[1], json.loads(sys.argv[2]), sys.argv[3], Path(sys.argv[4]), int(sys.argv[5]), sys.argv[6]
+if base == "moe":
+    from fp4prep import demo_moe as builder
+else:
+    builder = demo
+assets = builder.build(task=demo.TASKS[task])
 recipe = dataclasses.replace(recipes.RECIPES[fmt], steps=tuple(getattr(recipes, kind)(**fields) for kind, fields in steps))
 # The CPU backend compiles its fused fake quantization once per process (per dtype and rank): done
 # here, before the clock starts, so that no candidate's stage times carry it.
@@ -93,11 +104,11 @@ print(json.dumps({**result.to_dict(), "wall": time.perf_counter() - started, "pe
 """
 
 
-def run_candidate(name: str, task: str, parity_prompts: int) -> dict[str, Any]:
+def run_candidate(name: str, task: str, parity_prompts: int, base: str = "dense") -> dict[str, Any]:
     fmt, steps = CANDIDATES[name]
     with tempfile.TemporaryDirectory(prefix="fp4prep-search-") as tmp:
         proc = subprocess.Popen(
-            [sys.executable, "-c", CHILD, fmt, json.dumps(steps), task, str(Path(tmp) / "out"), str(parity_prompts)],
+            [sys.executable, "-c", CHILD, fmt, json.dumps(steps), task, str(Path(tmp) / "out"), str(parity_prompts), base],
             cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         )
         stdout, stderr = proc.communicate()
@@ -121,6 +132,9 @@ def run_candidate(name: str, task: str, parity_prompts: int) -> dict[str, Any]:
         "reload": result["reload_max_logit_diff"],
         "retention": (result.get("retention") or {}).get("pooled"),
         "peak_rss_mib": result["peak_rss"] / 2**20,
+        # Routed-expert projections GPTQ rounded, of all (an MoE base; the rest kept max calibration).
+        "experts_rounded": [sum(c[0] for c in result.get("expert_gptq", {}).values()),
+                            sum(c[0] + c[1] for c in result.get("expert_gptq", {}).values())],
     }
 
 
@@ -130,6 +144,9 @@ def main() -> None:
     parser.add_argument("--only", nargs="*", help="candidate names (substrings) to run")
     parser.add_argument("--task", choices=TASKS, action="append", help="adapters to run (default: both)")
     parser.add_argument("--json", type=Path, help="write the rows here too")
+    parser.add_argument("--base", choices=["dense", "moe"], default="dense",
+                        help="the demo base (SmolLM2-135M-Instruct) or its mixture-of-experts build "
+                             "(fp4prep.demo_moe: Mixtral-style, 4 experts, top-2) with adapters trained on it")
     parser.add_argument("--parity-prompts", type=int, default=60,
                         help="held-back conversations parity is measured on (default: all 60 the demo holds back; "
                              "a job uses 16)")
@@ -142,7 +159,7 @@ def main() -> None:
     for task in args.task or TASKS:
         for name in names:
             before = time.perf_counter()
-            row = run_candidate(name, task, args.parity_prompts)
+            row = run_candidate(name, task, args.parity_prompts, args.base)
             row["wall_s"] = time.perf_counter() - before
             rows.append(row)
             print(json.dumps(row), flush=True)
@@ -153,9 +170,10 @@ def main() -> None:
 
 def table(rows: list[dict[str, Any]]) -> None:
     defaults = {(r["task"], r["candidate"].split()[0]): r for r in rows if "(default)" in r["candidate"] and "failed" not in r}
+    experts = any(r.get("experts_rounded", [0, 0])[1] for r in rows)
     print("\n| adapter | candidate | KL on answers (× default) | top-1 on answers | top-1 on BF16's continuations | identical greedy "
-          "| task: BF16 → FP4 | calibrating (× default) | peak RSS | reload |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+          "| task: BF16 → FP4 | calibrating (× default) | peak RSS | reload |" + (" expert projections GPTQ-rounded |" if experts else ""))
+    print("|---|---|---|---|---|---|---|---|---|---|" + ("---|" if experts else ""))
     for r in rows:
         if "failed" in r:
             print(f"| {r['task']} | {r['candidate']} | failed: {r['failed']} |||||||")
@@ -166,7 +184,8 @@ def table(rows: list[dict[str, Any]]) -> None:
         task = f"{r['bf16_success']:.0%} → {r['success']:.0%}" if r["success"] is not None else "n/a"
         name = f"**{r['candidate']}**" if r["candidate"].endswith("the recipe") else r["candidate"]
         print(f"| {r['task']} | {name} | {r['answer_kl']:.4f}{kl_ratio} | {r['answer_top1']:.3f} | {r['continuation_top1']:.3f} | "
-              f"{r['identical_greedy']:.2f} | {task} | {r['calibrating_s']:.1f} s{ratio} | {r['peak_rss_mib']:.0f} MiB | {r['reload']:.1g} |")
+              f"{r['identical_greedy']:.2f} | {task} | {r['calibrating_s']:.1f} s{ratio} | {r['peak_rss_mib']:.0f} MiB | {r['reload']:.1g} |"
+              + (f" {r['experts_rounded'][0]} of {r['experts_rounded'][1]} |" if experts else ""))
 
 
 if __name__ == "__main__":

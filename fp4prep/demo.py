@@ -108,8 +108,11 @@ def build_base(target: Path) -> None:
             raise
 
 
-def train_adapter(base_dir: Path, target: Path, task: Task = SENTIMENT, batch_size: int = 8) -> None:
-    """A real PEFT LoRA run on ``task``: loss on the answer tokens only."""
+def train_adapter(
+    base_dir: Path, target: Path, task: Task = SENTIMENT, batch_size: int = 8, target_parameters: tuple[str, ...] = ()
+) -> None:
+    """A real PEFT LoRA run on ``task``: loss on the answer tokens only. ``target_parameters`` adds
+    LoRA on tensors that are not Linear modules (an MoE's fused expert weights), as PEFT trains them."""
     import torch
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -123,6 +126,7 @@ def train_adapter(base_dir: Path, target: Path, task: Task = SENTIMENT, batch_si
         lora_dropout=0.0,
         task_type="CAUSAL_LM",
         target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+        target_parameters=list(target_parameters) or None,
     )
     model = get_peft_model(model, lora)  # type: ignore[assignment]
     train, _, _ = task.split()

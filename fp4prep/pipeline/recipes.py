@@ -44,6 +44,7 @@ class AwqSearch:
 
     alpha_step: float = 0.5  # candidates s = act**alpha / weight**(1 - alpha) for alpha = 0, step, ... 1
     scored_tokens: int = 2048  # about how many calibration tokens each candidate is scored on
+    routed_experts: bool = True  # each routed expert's down_proj too, folded into its own up rows
 
     def check(self) -> None:
         if not 0 < self.alpha_step <= 1:

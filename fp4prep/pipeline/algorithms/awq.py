@@ -15,9 +15,9 @@ the norm before q/k/v or gate/up (one scale for the whole group), or ``up_proj``
   activations quantized as the checkpoint and the engine do (the numerics the independent reader
   is checked against), and no scale at all is kept where none beats that.
 
-A shared expert's ``down_proj`` folds into its own ``up_proj`` like a dense MLP's. Routed experts,
-which transformers stacks in one module per layer (not Linear layers), are not searched (GPTQ
-rounds them, per expert). Plain per-layer maths: ``fold_groups``
+A shared expert's ``down_proj`` folds into its own ``up_proj`` like a dense MLP's; routed experts,
+which transformers stacks in one module per layer, are searched the same way per expert in
+``expert_awq``. Plain per-layer maths: ``fold_groups``
 finds a layer's groups, ``Group.observe`` gathers their inputs in the calibration pass, and
 ``search_and_apply`` gives each group its best scale as a ModelOpt ``pre_quant_scale``.
 """
@@ -113,22 +113,8 @@ def search_and_apply(groups: list[Group], alpha_step: float, scored_tokens: int)
     what the search costs."""
     from modelopt.torch.quantization.model_calib import apply_pre_quant_scale_and_smooth
 
-    alphas = [round(a, 6) for a in torch.arange(0, 1 + alpha_step / 2, alpha_step).tolist()]
-    for group in groups:
-        prepared = _prepare(group, alphas, scored_tokens)
-        for x in group.inputs:
-            _score(group, prepared, x)
-        group.inputs.clear()
-        del prepared
-
-    for group in groups:
-        best = min(group.losses, key=group.losses.__getitem__)
-        logger.debug(
-            "%s: %s (output error %.4g of max calibration's)",
-            "+".join(n for n, _ in group.members),
-            best,
-            group.losses[best] / max(group.losses["none"], 1e-30),
-        )
+    chosen = [(group, choose(group, alpha_step, scored_tokens)) for group in groups]
+    for group, best in chosen:
         if best == "none":
             continue
         scale = group.scales[best]
@@ -137,6 +123,24 @@ def search_and_apply(groups: list[Group], alpha_step: float, scored_tokens: int)
                 # The per-channel maxima ModelOpt re-derives the global amax from when scales change.
                 module.input_quantizer._amax_for_smoothing = group.amax.cpu()  # type: ignore[union-attr]
             apply_pre_quant_scale_and_smooth(module, (1.0 / scale).to(module.weight.device))
+
+
+def choose(group: Group, alpha_step: float, scored_tokens: int) -> str:
+    """Score ``group``'s candidates on the inputs it gathered (then dropped) and return the best's
+    name: ``"none"`` or ``"alpha a"``, whose scale is ``group.scales[name]``."""
+    alphas = [round(a, 6) for a in torch.arange(0, 1 + alpha_step / 2, alpha_step).tolist()]
+    prepared = _prepare(group, alphas, scored_tokens)
+    for x in group.inputs:
+        _score(group, prepared, x)
+    group.inputs.clear()
+    best = min(group.losses, key=group.losses.__getitem__)
+    logger.debug(
+        "%s: %s (output error %.4g of max calibration's)",
+        "+".join(n for n, _ in group.members),
+        best,
+        group.losses[best] / max(group.losses["none"], 1e-30),
+    )
+    return best
 
 
 @dataclass

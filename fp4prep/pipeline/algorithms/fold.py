@@ -82,6 +82,11 @@ def calibrate_weights(layer: torch.nn.Module, keep_experts: bool = False) -> Non
     if keep_experts:
         keep.append({"quantizer_name": "*_weight_quantizers*", "enable": False})
     with set_quantizer_by_cfg_context(layer, keep):
+        # From the weights alone: a max calibrator otherwise keeps the larger of its old and new
+        # maxima, and a weight that shrank (a folded row) would keep its old, coarser scale.
+        for name, quantizer in layer.named_modules():
+            if "weight_quantizer" in name and getattr(quantizer, "is_enabled", False):
+                quantizer.reset_amax()
         max_calibrate(layer)
 
 

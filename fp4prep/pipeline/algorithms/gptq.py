@@ -171,6 +171,16 @@ class ExpertHessians:
         for handle in self._handles:
             handle.remove()
 
+    def fold(self, factors: Factors, prefix: str) -> None:
+        """Carry the experts' folded scales into the ``down_proj`` Hessians gathered before the fold
+        (``x * c`` has Hessian ``diag(c) H diag(c)``); ``factors`` as ``expert_awq`` returns them."""
+        for (name, proj, expert), entry in self.inputs.items():
+            scale = factors.get(f"{prefix}{name}.{proj}", {}).get("in_scale")
+            if scale is None or entry.hessian is None:
+                continue
+            c = scale[expert].to(entry.hessian.device, torch.float32)
+            entry.hessian.mul_(c[:, None] * c[None, :])
+
 
 @dataclass
 class _ExpertSlice:

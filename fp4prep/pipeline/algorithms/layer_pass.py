@@ -2,11 +2,12 @@
 
 One pass of the layer's calibration inputs does everything the steps need: ModelOpt's max
 calibration sets every quantizer's range while forward hooks gather the AWQ search's statistics
-(each fold group's inputs) and GPTQ's Hessians, routed experts' among them (per expert, from the
-tokens routed to it; experts beyond the first chunk that fits the Hessian budget get one more pass
-each, with quantization off, before anything in the layer changed). GPTQ rounds the routed experts
-first (folding does not touch them), then the search picks each group's scale, the fold moves the
-scales into norms and projections, and GPTQ rounds the folded weights. What folding did to each
+(each fold group's inputs, each routed expert's ``down_proj`` inputs) and GPTQ's Hessians, routed
+experts' among them (per expert, from the tokens routed to it; experts beyond the first chunk that
+fits the Hessian budget get one more pass each, with quantization off). The routed experts come
+first: each expert's scale is searched and folded into its own ``up`` rows, then GPTQ rounds them
+(the rest of the layer's folds do not touch them); then the search picks each dense group's scale,
+the fold moves the scales into norms and projections, and GPTQ rounds the folded weights. What folding did to each
 weight, and how many expert projections GPTQ rounded, are kept per layer, on disk beside
 ModelOpt's layer checkpoints, for the retention check, the report and a calibration that resumes.
 """
@@ -22,7 +23,7 @@ import torch
 
 from ..errors import PipelineError
 from ..recipes import Recipe
-from . import awq, fold, gptq
+from . import awq, expert_awq, fold, gptq
 
 
 class LayerPass:
@@ -55,6 +56,7 @@ class LayerPass:
             for group in groups
             for _, module in group.members[:1]  # members read the same input
         ]
+        expert_groups = expert_awq.ExpertGroups(layer) if self.awq and self.awq.routed_experts else None
         hessians = gptq.Hessians(layer, self.gptq.hessian_stride) if self.gptq else None
         chunks = gptq.expert_chunks(layer, gptq.expert_hessian_bytes()) if self.gptq else []
         # Every token routed to an expert counts (an expert sees k/experts of them: no stride).
@@ -64,18 +66,21 @@ class LayerPass:
         finally:
             for handle in handles:
                 handle.remove()
-            for collector in (hessians, experts):
+            for collector in (expert_groups, hessians, experts):
                 if collector is not None:
                     collector.remove()
+        factors: fold.Factors = {}
+        if self.awq and expert_groups is not None and expert_groups.groups:
+            factors = expert_awq.search_and_fold(expert_groups, self.awq.alpha_step, self.awq.scored_tokens, prefix)
         rounded: dict[str, list[int]] = {}
         if self.gptq and experts is not None:
+            experts.fold(factors, prefix)
             rounded = self._round_experts(layer, forward_loop, experts, chunks[1:], prefix)
-        factors: fold.Factors = {}
         if self.awq:
             searched = [g for g in groups if g.tokens > 0]  # an expert no token reached keeps max
             if searched:
                 awq.search_and_apply(searched, self.awq.alpha_step, self.awq.scored_tokens)
-            factors = fold.fold_layer(layer, prefix)
+            factors.update(fold.fold_layer(layer, prefix))
         if self.gptq and hessians is not None:
             gptq.quantize_layer(layer, hessians, prefix, factors, self.gptq.damp)
         self._record(index, factors, rounded)
@@ -90,8 +95,8 @@ class LayerPass:
     ) -> dict[str, list[int]]:
         """GPTQ on the routed experts, chunk by chunk: the first chunk's Hessians came with the
         calibration pass; each other chunk's come from one more pass with every quantizer off (the
-        same unquantized inputs: nothing in the layer has changed yet but experts already rounded,
-        and an expert's inputs don't depend on the others')."""
+        same unquantized inputs: nothing in the layer has changed yet but experts already rounded
+        and experts' folded scales, and an expert's inputs don't depend on the others')."""
         from modelopt.torch.quantization.conversion import set_quantizer_by_cfg_context
 
         assert self.gptq is not None

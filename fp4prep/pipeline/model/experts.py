@@ -117,6 +117,21 @@ class CheckpointNames:
         return out
 
 
+    def expert_part(self, stored: str) -> tuple[int, slice] | None:
+        """For a stored tensor the converter stacks per expert: its expert and its rows of that
+        expert's slice of the model tensor (``w3``: the up rows of ``gate_up_proj``); else None."""
+        for name, fused in self.fused.items():
+            experts = fused.per_expert()
+            if experts is None or stored not in fused.stored_names():
+                continue
+            for expert, parts in enumerate(experts):
+                if stored in parts:
+                    rows = self.shapes[name][1] // len(parts)
+                    index = parts.index(stored)
+                    return expert, slice(index * rows, (index + 1) * rows)
+        return None
+
+
 def _is_transposed(model: torch.nn.Module, name: str) -> bool:
     module_name = name.rpartition(".")[0]
     try:

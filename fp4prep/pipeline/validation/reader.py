@@ -139,12 +139,14 @@ def _identity(x: torch.Tensor) -> torch.Tensor:
 def _quantized_experts_forward(
     experts: Any, gate_up_quant: list[ActivationQuant], down_quant: list[ActivationQuant]
 ) -> Callable[..., torch.Tensor]:
-    """transformers' loop over stacked experts with each expert's input quantization, as engines run it."""
+    """transformers' loop over stacked experts with each expert's input quantization, as engines run it.
+    An expert's rows come in transformers' order (by slot, then token), so that its matrix products
+    round as the calibrated model's did."""
 
     def forward(hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
         out = torch.zeros_like(hidden)
         for e in range(experts.gate_up_proj.shape[0]):
-            token_idx, slot = torch.where(top_k_index == e)
+            slot, token_idx = torch.where((top_k_index == e).T)
             if token_idx.numel() == 0:
                 continue
             x = gate_up_quant[e](hidden[token_idx])

@@ -12,6 +12,18 @@ from ..model.merge import MergedWeights
 from .reader import DequantizedWeights
 
 
+def _broadcast(scale: torch.Tensor, part: tuple[int, slice] | None, rows: bool) -> torch.Tensor:
+    """A fold factor shaped to multiply the stored tensor: per column (``rows=False``) or per row of
+    a 2-D weight; per expert ([experts, n]) for routed experts, sliced to the stored tensor's expert
+    and rows where the checkpoint stores experts one by one, or whole for a fused 3-D tensor."""
+    if scale.dim() == 2:
+        if part is None:
+            return scale[:, :, None] if rows else scale[:, None, :]
+        expert, row_slice = part
+        scale = scale[expert][row_slice] if rows else scale[expert]
+    return scale.reshape(-1, 1) if rows else scale.reshape(1, -1)
+
+
 def retention(
     merged: MergedWeights, dequantized: DequantizedWeights, factors: Factors | None = None
 ) -> RetentionReport | None:
@@ -19,7 +31,8 @@ def retention(
 
     About 1 when the adapter's change survived quantization, near 0 when it snapped back to the
     base (as it does when an adapter is merged into weights already in FP4). One tensor at a time.
-    ``factors`` undoes what folding AWQ's scales did to a stored weight (``algorithms.fold``).
+    ``factors`` undoes what folding AWQ's scales did to a stored weight (``algorithms.fold``, and
+    ``algorithms.expert_awq`` per routed expert).
     """
     per_tensor: dict[str, float] = {}
     num = den = 0.0
@@ -34,10 +47,11 @@ def retention(
             continue
         stored = dequantized.stored(name).to(b.device, torch.float32)
         folded = (factors or {}).get(model_name.get(name, name), {})
+        part = merged.names.expert_part(name) if folded else None
         if "in_scale" in folded:
-            stored = stored * folded["in_scale"].to(b.device).reshape(1, -1)
+            stored = stored * _broadcast(folded["in_scale"], part, rows=False).to(b.device)
         if "out_scale" in folded:
-            stored = stored / folded["out_scale"].to(b.device).reshape(-1, 1)
+            stored = stored / _broadcast(folded["out_scale"], part, rows=True).to(b.device)
         change = stored - b
         dc = float((delta * change).sum())
         per_tensor[name] = dc / dd
