@@ -79,7 +79,8 @@ def calibrate(
 
     config = quantizers.quant_config(recipe, compute, work.layer_checkpoints if work else None)
     positions = {id(layer): (i, f"{layers_name}.{i}.") for i, layer in enumerate(layers)}
-    layer_pass = LayerPass(recipe, positions, work.fold_factors if work else None)
+    tokens = sum(len(sequence) for sequence in sequences)
+    layer_pass = LayerPass(recipe, positions, work.fold_factors if work else None, tokens)
     session.layer_pass = layer_pass
     try:
         with quantizers.quiet():

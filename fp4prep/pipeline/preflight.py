@@ -44,8 +44,43 @@ def gptq_hessian_bytes(model: Any) -> int:
     return most
 
 
+def awq_input_bytes(
+    model: Any, calibration_tokens: int, element_size: int, scored_tokens: int = 2048, sequence_length: int = 512
+) -> int:
+    """The most the AWQ search keeps of one decoder layer's inputs to score candidates on: per fold
+    group (q/k/v, gate/up, a dense or shared ``down_proj``), every n-th token of each batch,
+    ``n = tokens // scored_tokens``: at most ``2 × scored_tokens`` plus one per batch; per routed
+    expert (``down_proj``'s input) the same of the rows routed to it."""
+    from .calibrate import CALIBRATION_BATCH
+
+    batches = calibration_tokens // (CALIBRATION_BATCH * max(sequence_length, 1)) + 1
+
+    def kept(tokens: int) -> int:
+        return min(tokens, 2 * scored_tokens + batches)
+
+    top_k = int(getattr(model.config, "num_experts_per_tok", 0) or 0)
+    _, layers = streaming.decoder_layers(model)
+    most = 0
+    for layer in layers:
+        total = 0
+        for name, module in layer.named_modules():
+            if isinstance(module, torch.nn.Linear) and name.rpartition(".")[2] in ("q_proj", "gate_proj", "down_proj"):
+                total += kept(calibration_tokens) * module.in_features
+            down = getattr(module, "down_proj", None)
+            if isinstance(down, torch.Tensor) and down.dim() == 3:
+                experts = down.shape[0]
+                total += experts * kept(calibration_tokens * max(top_k, 1) // experts) * down.shape[-1]
+        most = max(most, total * element_size)
+    return most
+
+
 def check_memory(
-    model: Any, weights: MergedWeights, compute: Compute, calibration_tokens: int, recipe: Recipe | None = None
+    model: Any,
+    weights: MergedWeights,
+    compute: Compute,
+    calibration_tokens: int,
+    recipe: Recipe | None = None,
+    sequence_length: int = 512,
 ) -> None:
     layers = streaming.layer_bytes(model, weights, compute.dtype)
     largest = max(layers)
@@ -55,8 +90,12 @@ def check_memory(
     # ModelOpt keeps one layer's captured inputs and the next layer's while it calibrates.
     activations = 3 * calibration_tokens * hidden * size
     hessians = gptq_hessian_bytes(model) if recipe is not None and recipe.gptq else 0
+    searched = (
+        awq_input_bytes(model, calibration_tokens, size, recipe.awq.scored_tokens, sequence_length)
+        if recipe is not None and recipe.awq else 0
+    )
     # The layer, plus as much again for the quantized copy of each weight and the fused experts.
-    need = resident + 2 * largest + activations + hessians
+    need = resident + 2 * largest + activations + hessians + searched
     free = available_memory(compute.device)
     if need > free:
         raise PipelineError(
@@ -65,6 +104,7 @@ def check_memory(
             f"{str(compute.dtype).removeprefix('torch.')}, held twice while it is quantized; the "
             f"embeddings {format_bytes(resident)}; calibration activations {format_bytes(activations)}"
             + (f"; GPTQ's Hessians {format_bytes(hessians)}" if hessians else "")
+            + (f"; the AWQ search's inputs {format_bytes(searched)}" if searched else "")
             + f"), and {format_bytes(free)} is free. Run it on a device with more memory"
         )
     if compute.cuda:

@@ -128,7 +128,7 @@ def _merge(state: _Run) -> None:
         state.model = streaming.skeleton(base_config, state.merged, compute, config.base_dir)
         state.bf16_bytes = 2 * sum(state.merged.numel(n) for n in state.merged)
         tokens = _total_tokens(config)
-        preflight.check_memory(state.model, state.merged, compute, tokens, state.recipe)
+        preflight.check_memory(state.model, state.merged, compute, tokens, state.recipe, config.sequence_length)
         hidden = int(state.model.config.hidden_size)
         preflight.check_disk(state.merged, state.recipe, state.work.root, config.output_dir, hidden, tokens)
         streaming.attach(state.model, state.merged, compute)

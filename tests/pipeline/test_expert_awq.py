@@ -163,3 +163,50 @@ def with_outlier_channels_of(gate_up: torch.Tensor) -> None:
     inner = gate_up.shape[1] // 2
     with torch.no_grad():
         gate_up[:, inner : inner + 3] *= 30
+
+
+def test_the_memory_check_counts_the_inputs_the_search_keeps() -> None:
+    from fp4prep.pipeline.model.experts import meta_model
+    from fp4prep.pipeline.preflight import awq_input_bytes
+    from tests.tiny import tiny_config
+
+    # Few tokens: all kept. Mixtral: q/k/v's input (64) and each token's two experts' down_proj
+    # inputs (2 x 32 rows of 32) per layer.
+    mixtral = meta_model(tiny_config("mixtral").to_json_string())
+    assert awq_input_bytes(mixtral, 1000, 4) == 1000 * (64 + 2 * 32) * 4
+    # Glm4Moe: the dense layer 0 is the widest: q/k/v (64), gate/up (64), down_proj (128).
+    glm = meta_model(tiny_config("glm4_moe").to_json_string())
+    assert awq_input_bytes(glm, 1000, 2) == 1000 * (64 + 64 + 128) * 2
+    # Many tokens: about twice the scored tokens per group and per expert, whatever the corpus; the
+    # MoE layer is now the widest: q/k/v (64), the shared expert's gate/up (64) and down (32), and
+    # four experts' down_proj (32 each).
+    many = 600_000
+    batches = many // (4 * 512) + 1
+    assert awq_input_bytes(glm, many, 2) == (2 * 2048 + batches) * (64 + 64 + 32 + 4 * 32) * 2
+
+
+def test_the_search_keeps_about_the_tokens_it_scores_and_chooses_as_if_it_kept_all() -> None:
+    from fp4prep.pipeline.algorithms import awq
+
+    torch.manual_seed(0)
+    linear = nn.Linear(64, 32, bias=False)
+    batches = [torch.randn(4, 256, 64) for _ in range(8)]
+    batches[0][..., :3] *= 40
+    chosen = []
+    for keep in (1, awq.keep_every(8 * 4 * 256, 512)):
+        with Session(CPU), torch.no_grad():
+            import modelopt.torch.quantization as mtq
+            from modelopt.torch.quantization.model_calib import max_calibrate
+
+            from fp4prep.pipeline.modelopt_ext.quantizers import quant_config
+
+            model = mtq.quantize(nn.Sequential(copy.deepcopy(linear)), {**quant_config(RECIPES["nvfp4"], CPU), "algorithm": "max"}, None)
+            group = awq.Group([("0", model[0])], fused=False, keep_every=keep)
+            handle = model[0].register_forward_pre_hook(lambda _m, args, g=group: g.observe(args[0]))
+            max_calibrate(model, lambda m: [m(x) for x in batches])
+            handle.remove()
+            kept = sum(x.shape[0] for x in group.inputs)
+            chosen.append((awq.choose(group, 0.25, 512), dict(group.losses), kept))
+    (best_all, losses_all, kept_all), (best_few, losses_few, kept_few) = chosen
+    assert kept_all == 8 * 4 * 256 and kept_few == 8 * 4 * 256 // 16
+    assert best_all == best_few and losses_all == losses_few

@@ -63,6 +63,9 @@ class Group:
 
     members: list[tuple[str, Any]]
     fused: bool  # engines run the members as one GEMM with one weight global scale
+    # Every keep_every-th token of each batch is kept to score candidates on (the statistics see
+    # them all): about the scored tokens, not the whole corpus, stay in memory.
+    keep_every: int = 1
     abs_sum: torch.Tensor | None = None
     amax: torch.Tensor | None = None
     tokens: int = 0
@@ -78,11 +81,18 @@ class Group:
         self.abs_sum = abs_sum if self.abs_sum is None else self.abs_sum + abs_sum
         self.amax = amax if self.amax is None else torch.maximum(self.amax, amax)
         self.tokens += x.shape[0]
-        self.inputs.append(x)
+        self.inputs.append(x[:: self.keep_every])
 
 
-def fold_groups(layer: torch.nn.Module) -> list[Group]:
-    """The groups of ``layer``'s quantized projections whose AWQ scale can be folded away."""
+def keep_every(tokens: int, scored_tokens: int) -> int:
+    """Which tokens a group keeps to score on, of ``tokens`` it will see: every n-th, n as the
+    scoring picks them (so that keeping fewer changes no result)."""
+    return max(1, tokens // scored_tokens)
+
+
+def fold_groups(layer: torch.nn.Module, keep: int = 1) -> list[Group]:
+    """The groups of ``layer``'s quantized projections whose AWQ scale can be folded away, each
+    keeping every ``keep``-th token's input to score on."""
     from modelopt.torch.quantization.utils import is_quantized_linear
 
     def quantized(name: str) -> Any:
@@ -96,11 +106,11 @@ def fold_groups(layer: torch.nn.Module) -> list[Group]:
     for _norm, names in NORM_GROUPS:
         members = [(n, quantized(n)) for n in names]
         if all(m is not None for _, m in members):
-            groups.append(Group(members, fused=True))
+            groups.append(Group(members, fused=True, keep_every=keep))
     for name, _module in layer.named_modules():
         target = row_target(name)
         if target is not None and quantized(name) is not None and quantized(target) is not None:
-            groups.append(Group([(name, quantized(name))], fused=False))
+            groups.append(Group([(name, quantized(name))], fused=False, keep_every=keep))
     return groups
 
 
@@ -168,7 +178,8 @@ def _prepare(group: Group, alphas: list[float], scored_tokens: int) -> _Prepared
     group.scales = {f"alpha {a:g}": awq_scale(act, w_stat, a) for a in alphas}
     group.scales = {"none": torch.ones_like(act)} | group.scales
     group.losses = dict.fromkeys(group.scales, 0.0)
-    prepared = _Prepared(torch.cat(weights).to(dtype), quantize_input, max(1, group.tokens // scored_tokens), [])
+    stride = max(1, keep_every(group.tokens, scored_tokens) // group.keep_every)  # of the tokens kept
+    prepared = _Prepared(torch.cat(weights).to(dtype), quantize_input, stride, [])
     for name, scale in group.scales.items():
         scaled = [w * scale for w in weights]
         tops = [w.abs().amax() for w in scaled]

@@ -58,11 +58,21 @@ def foldable(module: Any) -> bool:
         return bool(torch.allclose(apply_gate(scaled), apply_gate(gate_up) * c, rtol=1e-4, atol=1e-4))
 
 
+def keep_every(layer: torch.nn.Module, tokens: int, scored_tokens: int) -> int:
+    """Which rows an expert's group keeps to score on, for ``tokens`` calibration tokens through
+    ``layer``: as ``awq.keep_every`` for the rows an expert sees on average (``tokens × top_k /
+    experts``; top-k read off the router, 1 where the layer doesn't say: keeping more, never fewer)."""
+    experts = max((m.down_proj.shape[0] for m in fused_experts(layer).values()), default=1)
+    top_k = max((int(v) for m in layer.modules() if isinstance(v := getattr(m, "top_k", None), int)), default=1)
+    return awq.keep_every(tokens * top_k // experts, scored_tokens)
+
+
 class ExpertGroups:
     """One AWQ group per (expert module, expert): its ``down_proj`` inputs, from a pre-hook on the
     module's down input quantizer (called right after ModelOpt set which expert runs)."""
 
-    def __init__(self, layer: torch.nn.Module) -> None:
+    def __init__(self, layer: torch.nn.Module, keep: int = 1) -> None:
+        self.keep = keep  # every keep-th row an expert sees is kept to score on
         self.modules = {n: m for n, m in fused_experts(layer).items() if foldable(m)}
         self.groups: dict[tuple[str, int], awq.Group] = {}
         self._handles = [
@@ -81,7 +91,9 @@ class ExpertGroups:
             member = _DownProj(
                 module.down_proj.data[expert], module.down_proj_weight_quantizers[expert], module.down_proj_input_quantizer
             )
-            group = self.groups[(name, expert)] = awq.Group([(f"{name}.down_proj[{expert}]", member)], fused=False)
+            group = self.groups[(name, expert)] = awq.Group(
+                [(f"{name}.down_proj[{expert}]", member)], fused=False, keep_every=self.keep
+            )
         group.observe(x)
 
     def remove(self) -> None:

@@ -29,8 +29,11 @@ from . import awq, expert_awq, fold, gptq
 class LayerPass:
     """Runs ``recipe``'s steps on the decoder layers ``layers`` (by identity: index and name prefix)."""
 
-    def __init__(self, recipe: Recipe, layers: dict[int, tuple[int, str]], factors_dir: Path | None = None) -> None:
+    def __init__(
+        self, recipe: Recipe, layers: dict[int, tuple[int, str]], factors_dir: Path | None = None, tokens: int = 0
+    ) -> None:
         self.awq, self.gptq = recipe.awq, recipe.gptq
+        self.tokens = tokens  # calibration tokens each forward loop runs: what the search keeps of them
         self.layers = layers
         self.factors_dir = factors_dir
         self.factors: fold.Factors = {}
@@ -50,13 +53,17 @@ class LayerPass:
         if id(layer) not in self.layers:
             raise PipelineError(f"{type(layer).__name__} is not a decoder layer of the model being calibrated")
         index, prefix = self.layers[id(layer)]
-        groups = awq.fold_groups(layer) if self.awq else []
+        keep = awq.keep_every(self.tokens, self.awq.scored_tokens) if self.awq else 1
+        groups = awq.fold_groups(layer, keep) if self.awq else []
         handles = [
             module.register_forward_pre_hook(lambda _m, args, g=group: g.observe(args[0]))
             for group in groups
             for _, module in group.members[:1]  # members read the same input
         ]
-        expert_groups = expert_awq.ExpertGroups(layer) if self.awq and self.awq.routed_experts else None
+        expert_groups = (
+            expert_awq.ExpertGroups(layer, expert_awq.keep_every(layer, self.tokens, self.awq.scored_tokens))
+            if self.awq and self.awq.routed_experts else None
+        )
         hessians = gptq.Hessians(layer, self.gptq.hessian_stride) if self.gptq else None
         chunks = gptq.expert_chunks(layer, gptq.expert_hessian_bytes()) if self.gptq else []
         # Every token routed to an expert counts (an expert sees k/experts of them: no stride).
