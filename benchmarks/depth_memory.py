@@ -1,14 +1,14 @@
 """Benchmark: peak memory does not grow with the model's depth.
 
 Builds random Llamas (hidden 1024, intermediate 2816, SmolLM2's tokenizer), or with ``--arch
-glm4_moe`` random Glm4Moe models (hidden 512, 16 routed experts of 256 and a shared one, top-4,
-layer 0 dense: the layout GLM ships), with 8 and with 48 decoder layers and runs ``fp4prep quantize
---no-quality-gate`` on each in its own process (the format's whole recipe: GPTQ on routed experts
-too). Holding the model whole would add the 40 extra layers' BF16 size (twice during validation);
+glm4_moe`` / ``deepseek_v3`` random Glm4Moe / DeepseekV3 models (hidden 512, 16 routed experts of
+256 and a shared one, top-4, layer 0 dense: the layouts GLM and Kimi ship), with 8 and with 48 decoder layers and runs ``fp4prep quantize
+--no-quality-gate`` on each in its own process (the format's whole recipe: the AWQ search and GPTQ
+on routed experts too). Holding the model whole would add the 40 extra layers' BF16 size (twice during validation);
 the pipeline streams one layer at a time, so the 48-layer run should peak less than a quarter of
 that above the 8-layer run.
 
-    .venv/bin/python benchmarks/depth_memory.py [--layers 8 48] [--quantization nvfp4] [--arch llama|glm4_moe]
+    .venv/bin/python benchmarks/depth_memory.py [--layers 8 48] [--quantization nvfp4] [--arch llama|glm4_moe|deepseek_v3]
 """
 
 from __future__ import annotations
@@ -28,8 +28,9 @@ sys.path.insert(0, str(ROOT))
 HIDDEN, INTERMEDIATE = 1024, 2816
 
 
-def random_glm4_moe(path: Path, tokenizer_dir: Path, layers: int) -> Path:
-    """A random BF16 Glm4Moe saved as transformers saves it (per-expert tensors)."""
+def random_moe(path: Path, tokenizer_dir: Path, layers: int, arch: str) -> Path:
+    """A random BF16 Glm4Moe or DeepseekV3 (MLA attention) saved as transformers saves it
+    (per-expert tensors): hidden 512, 16 routed experts of 256 and a shared one, top-4."""
     import shutil
 
     import torch
@@ -37,12 +38,16 @@ def random_glm4_moe(path: Path, tokenizer_dir: Path, layers: int) -> Path:
 
     from tests.tiny import tiny_config
 
-    config = tiny_config("glm4_moe")
+    config = tiny_config(arch)
     config.update({
         "hidden_size": 512, "intermediate_size": 1024, "moe_intermediate_size": 256, "n_routed_experts": 16,
-        "num_experts_per_tok": 4, "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 64,
-        "num_hidden_layers": layers,
+        "num_experts_per_tok": 4, "num_attention_heads": 8, "num_hidden_layers": layers,
     })
+    if arch == "glm4_moe":
+        config.update({"num_key_value_heads": 4, "head_dim": 64})
+    else:  # MLA: latent ranks and per-head dimensions in DeepSeek-V3's proportions
+        config.update({"num_key_value_heads": 8, "q_lora_rank": 192, "kv_lora_rank": 64,
+                       "qk_rope_head_dim": 16, "qk_nope_head_dim": 32, "v_head_dim": 32})
     torch.manual_seed(0)
     AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).save_pretrained(path)
     for f in tokenizer_dir.iterdir():
@@ -83,7 +88,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--layers", type=int, nargs=2, default=[8, 48])
     parser.add_argument("--quantization", default="nvfp4", choices=("nvfp4", "mxfp4", "fp8"))
-    parser.add_argument("--arch", default="llama", choices=("llama", "glm4_moe"))
+    parser.add_argument("--arch", default="llama", choices=("llama", "glm4_moe", "deepseek_v3"))
     args = parser.parse_args()
     from tests.pipeline.bases import random_llama
 
@@ -96,7 +101,7 @@ def main() -> None:
             if args.arch == "llama":
                 base = random_llama(work / f"base-{layers}", tok, layers, HIDDEN, INTERMEDIATE)
             else:
-                base = random_glm4_moe(work / f"base-{layers}", tok, layers)
+                base = random_moe(work / f"base-{layers}", tok, layers, args.arch)
             size = weights_bytes(base)
             peak, seconds, result = quantize(base, work / f"out-{layers}", args.quantization, work / f"{layers}.json")
             rows[layers] = (peak, seconds, result, size)

@@ -50,9 +50,9 @@ CANDIDATES: dict[str, tuple[str, list[tuple[str, dict[str, Any]]]]] = {
     # The AWQ search, then GPTQ on the folded weights against static scales (algorithms/gptq.py).
     "nvfp4 AWQ (alpha step 0.5) + GPTQ (Hessians from every 2nd token): the recipe": (
         "nvfp4", [(AWQ, {"alpha_step": 0.5}), (GPTQ, {"hessian_stride": 2})]),
-    # The recipe without the search on routed experts (their scales left at 1): what it adds on an MoE.
-    "nvfp4 AWQ (alpha step 0.5, not on routed experts) + GPTQ (Hessians from every 2nd token)": (
-        "nvfp4", [(AWQ, {"alpha_step": 0.5, "routed_experts": False}), (GPTQ, {"hessian_stride": 2})]),
+    # The recipe with the search on routed experts too (expert_awq.py; the recipe leaves them at 1).
+    "nvfp4 AWQ (alpha step 0.5, routed experts searched too) + GPTQ (Hessians from every 2nd token)": (
+        "nvfp4", [(AWQ, {"alpha_step": 0.5, "routed_experts": True}), (GPTQ, {"hessian_stride": 2})]),
     "nvfp4 AWQ (alpha step 1.0) + GPTQ (Hessians from every 2nd token)": (
         "nvfp4", [(AWQ, {"alpha_step": 1.0}), (GPTQ, {"hessian_stride": 2})]),
     "nvfp4 AWQ (alpha step 0.5, 1024 tokens scored) + GPTQ (Hessians from every 2nd token)": (

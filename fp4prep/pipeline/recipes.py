@@ -44,7 +44,10 @@ class AwqSearch:
 
     alpha_step: float = 0.5  # candidates s = act**alpha / weight**(1 - alpha) for alpha = 0, step, ... 1
     scored_tokens: int = 2048  # about how many calibration tokens each candidate is scored on
-    routed_experts: bool = True  # each routed expert's down_proj too, folded into its own up rows
+    # Each routed expert's down_proj too, folded into its own up rows (algorithms/expert_awq.py). Off
+    # in the shipped recipes: on the MoE demo it cut whole-sequence KL (0.49 -> 0.41) but raised KL
+    # on the answers (0.057 -> 0.076), the figure the recipes are chosen by (benchmarks/RESULTS.md).
+    routed_experts: bool = False
 
     def check(self) -> None:
         if not 0 < self.alpha_step <= 1:

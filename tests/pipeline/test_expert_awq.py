@@ -146,7 +146,7 @@ def test_folding_on_a_whole_moe_model_leaves_its_function_unchanged(make_base: A
             if name.endswith("experts.gate_up_proj"):
                 with_outlier_channels_of(param)
         reference = copy.deepcopy(model)
-        recipe = Recipe(FORMATS["nvfp4"], RECIPES["nvfp4"].thresholds, steps=(AwqSearch(alpha_step=0.25),))
+        recipe = Recipe(FORMATS["nvfp4"], RECIPES["nvfp4"].thresholds, steps=(AwqSearch(alpha_step=0.25, routed_experts=True),))
         tokens = torch.randint(0, model.config.vocab_size, (8, 32), generator=torch.Generator().manual_seed(0))
         with Session(CPU) as session:
             calibrated = calibrate(model, recipe, tokens.tolist(), CPU, session, lambda f: None)
