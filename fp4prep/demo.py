@@ -23,8 +23,10 @@ import os
 import random
 import shutil
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from fp4prep.demo_tasks import SENTIMENT, TASKS, TOOLS, Task
 from fp4prep.pipeline.config import EVAL_FILE  # prompts with expected answers
@@ -95,6 +97,11 @@ def build_base(target: Path) -> None:
     state = {k: v.to(torch.bfloat16) for k, v in loaded.state_dict().items()}
     model.load_state_dict(state, strict=False)
     model.tie_weights()
+    save_base(model, tokenizer, target)
+
+
+def save_base(model: Any, tokenizer: Any, target: Path) -> None:
+    """Save a built base into ``target`` whole or not at all."""
     # A private temporary name: two workers building at once must not write into each other's files.
     tmp = target.with_name(f"{target.name}.tmp-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
@@ -249,14 +256,19 @@ def build(force: bool = False, task: Task = SENTIMENT) -> DemoAssets:
     return assets
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description="Build the embedded demo assets.")
+def cli(description: str, builder: Callable[..., DemoAssets], argv: list[str] | None = None) -> None:
+    """A builder's command line: ``--task``, ``--force``; prints where the assets are."""
+    parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--force", action="store_true", help="rebuild even if cached")
     parser.add_argument("--task", choices=sorted(TASKS), default=SENTIMENT.name, help="which adapter (default: the demo's)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    assets = build(force=args.force, task=TASKS[args.task])
+    assets = builder(force=args.force, task=TASKS[args.task])
     print(json.dumps({k: str(v) for k, v in vars(assets).items()}, indent=2))
+
+
+def main(argv: list[str] | None = None) -> None:
+    cli("Build the embedded demo assets.", build, argv)
 
 
 if __name__ == "__main__":

@@ -22,18 +22,16 @@ that builds it (this module, ``demo`` and ``demo_tasks``)::
 
 from __future__ import annotations
 
-import argparse
 import hashlib
 import json
 import logging
-import os
 import shutil
 import time
 from pathlib import Path
 
 from fp4prep import demo
 from fp4prep.demo import DemoAssets
-from fp4prep.demo_tasks import SENTIMENT, TASKS, Task
+from fp4prep.demo_tasks import SENTIMENT, Task
 from fp4prep.pipeline.config import EVAL_FILE
 
 logger = logging.getLogger(__name__)
@@ -106,16 +104,7 @@ def build_base(dense_dir: Path, target: Path, seed: int = 0) -> None:
     if unexpected or set(missing) - {"lm_head.weight"}:
         raise RuntimeError(f"upcycling left missing {missing} and unexpected {unexpected}")
     model.tie_weights()
-    tmp = target.with_name(f"{target.name}.tmp-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    model.save_pretrained(tmp)
-    AutoTokenizer.from_pretrained(dense_dir).save_pretrained(tmp)
-    try:
-        tmp.rename(target)
-    except OSError:  # another process finished first
-        shutil.rmtree(tmp, ignore_errors=True)
-        if not (target / "config.json").is_file():
-            raise
+    demo.save_base(model, AutoTokenizer.from_pretrained(dense_dir), target)
 
 
 def build(force: bool = False, task: Task = SENTIMENT) -> DemoAssets:
@@ -140,13 +129,7 @@ def build(force: bool = False, task: Task = SENTIMENT) -> DemoAssets:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description="Build the mixture-of-experts demo base and adapter.")
-    parser.add_argument("--force", action="store_true", help="rebuild even if cached")
-    parser.add_argument("--task", choices=sorted(TASKS), default=SENTIMENT.name, help="which adapter (default: the demo's)")
-    args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
-    assets = build(force=args.force, task=TASKS[args.task])
-    print(json.dumps({k: str(v) for k, v in vars(assets).items()}, indent=2))
+    demo.cli("Build the mixture-of-experts demo base and adapter.", build, argv)
 
 
 if __name__ == "__main__":
