@@ -43,9 +43,8 @@ EXPERT_TENSORS = ("mlp.experts.gate_up_proj", "mlp.experts.down_proj")
 
 
 def moe_dir() -> Path:
-    digest = hashlib.sha256()
-    for module in (__file__, demo.__file__, demo.__file__.replace("demo.py", "demo_tasks.py")):
-        digest.update(Path(module).read_bytes())
+    """Where the MoE assets are cached: named after the dense demo's builder digest and this module."""
+    digest = hashlib.sha256(demo._builder_digest().encode() + Path(__file__).read_bytes())
     return demo.data_dir() / f"{VERSION}-{digest.hexdigest()[:12]}"
 
 

@@ -38,7 +38,6 @@ def test_each_expert_gets_its_own_searched_scale_and_the_fold_leaves_the_block_u
         block, _ = quantized_moe_block()
         with_outlier_channels(block)
         reference = copy.deepcopy(block)
-        shared_amax = None
         groups = expert_awq.ExpertGroups(block)
         assert list(groups.modules) == ["experts"]
         max_calibrate(block, lambda m: [m(x) for x in batches])

@@ -173,3 +173,31 @@ def test_a_mixtral_checkpoint_goes_through_with_its_expert_adapter_and_keeps_its
     assert result.reload_max_logit_diff == 0.0
     assert result.retention is not None and result.retention.pooled > 0.9
     assert any(".block_sparse_moe.experts.3.w3.weight" in name for name in result.retention.per_tensor)
+
+
+def test_retention_undoes_each_routed_experts_fold_on_the_tensors_mixtral_stores_per_expert(
+    make_base, calibration_file: Path, tmp_path: Path
+) -> None:
+    """With the AWQ search on routed experts, ``w2`` (down) is stored times its expert's scale per
+    column and ``w3`` (up) divided by it per row: retention must undo that, expert by expert, or the
+    change it measures is the fold's, not the adapter's."""
+    import dataclasses
+
+    from fp4prep.pipeline.recipes import RECIPES, AwqSearch
+
+    base = make_base("mixtral")
+    weights_file = next(base.glob("*.safetensors"))
+    weights = load_file(weights_file)
+    for name in weights:  # outlier channels in every expert's down input, so the search scales them
+        if name.endswith(".w3.weight"):
+            weights[name][:3] *= 30
+    save_file(weights, str(weights_file), metadata={"format": "pt"})
+    adapter = save_expert_adapter(base, tmp_path / "adapter")
+    recipe = RECIPES["nvfp4"]
+    searched = dataclasses.replace(recipe, steps=(AwqSearch(routed_experts=True), *recipe.steps[1:]))
+    result = run_tiny(base, tmp_path / "out", "nvfp4", calibration_file=calibration_file, adapter_dir=adapter,
+                      thresholds=TINY, recipe=searched)
+    assert result.retention is not None and result.reload_max_logit_diff == 0.0
+    experts = {n: r for n, r in result.retention.per_tensor.items() if ".experts." in n}
+    assert {n.rsplit(".", 2)[-2] for n in experts} == {"w1", "w2", "w3"}
+    assert all(0.8 < r < 1.2 for r in experts.values()), experts

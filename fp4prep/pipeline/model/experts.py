@@ -116,7 +116,6 @@ class CheckpointNames:
             out.update(dict.fromkeys(fused.stored_names(), name))
         return out
 
-
     def expert_part(self, stored: str) -> tuple[int, slice] | None:
         """For a stored tensor the converter stacks per expert: its expert and its rows of that
         expert's slice of the model tensor (``w3``: the up rows of ``gate_up_proj``); else None."""
