@@ -2,8 +2,9 @@
 
 Runs the real pipeline (merge, layerwise calibration, export, independent reload, parity) once per
 candidate recipe and adapter, each in its own process, on the demo base (SmolLM2-135M-Instruct)
-with two adapters of different kinds: the demo's sentiment labels, and strict JSON extraction of an
-order. Prints one table: per candidate, parity where the model answers (KL and top-1 on the
+with three adapters of different kinds: the demo's sentiment labels, strict JSON extraction of an
+order, and ISO dates from dates in words (``dates``, added after the recipes were chosen: an adapter
+they were not tuned on). Prints one table: per candidate, parity where the model answers (KL and top-1 on the
 assistant turns, top-1 on the BF16 model's own greedy continuations, identical greedy), the
 adapter's task success on the checkpoint against BF16, calibration time against the format's
 default recipe, and peak memory.
@@ -66,7 +67,7 @@ CANDIDATES: dict[str, tuple[str, list[tuple[str, dict[str, Any]]]]] = {
     "mxfp4 AWQ (alpha step 0.5) + GPTQ (Hessians from every 2nd token)": (
         "mxfp4", [(AWQ, {"alpha_step": 0.5}), (GPTQ, {"hessian_stride": 2})]),
 }
-TASKS = ("sentiment", "orders")
+TASKS = ("sentiment", "orders", "dates")
 
 CHILD = """
 import dataclasses, json, sys, time

@@ -5,6 +5,9 @@
   of held-out reviews answered exactly right.
 - ``orders``: turn an order written in words into one exact JSON object (``{"item": "mug", "color":
   "blue", "quantity": 3, "city": "Oslo"}``), a longer, structured answer where one wrong token fails it.
+- ``dates``: rewrite a date written the way people write it (``the 5th of March, 2021``, ``Mar 5
+  2021``) as ISO 8601, ``2021-03-05``: every answer is digits copied or mapped, none of them
+  predictable from the instruction.
 
 Rows are made from templates, seeded: every build makes the same ones.
 """
@@ -159,6 +162,36 @@ def orders(seed: int) -> list[tuple[str, str]]:
     return rows
 
 
+MONTHS = ["January", "February", "March", "April", "May", "June", "July", "August", "September", "October",
+          "November", "December"]
+DATE_FORMS = [
+    "{month} {day}, {year}",
+    "{day} {month} {year}",
+    "the {nth} of {month}, {year}",
+    "{mon} {nth} {year}",
+    "{month} {nth}, {year}",
+]
+
+
+def _ordinal(day: int) -> str:
+    suffix = "th" if 10 <= day % 100 <= 20 else {1: "st", 2: "nd", 3: "rd"}.get(day % 10, "th")
+    return f"{day}{suffix}"
+
+
+def dates(seed: int) -> list[tuple[str, str]]:
+    """1200 distinct (date in words, ISO date) rows, drawn by ``seed``."""
+    rng = random.Random(seed)
+    rows: dict[str, str] = {}
+    while len(rows) < 1200:
+        year, month, day = rng.randint(1950, 2039), rng.randint(1, 12), rng.randint(1, 28)
+        name = MONTHS[month - 1]
+        text = rng.choice(DATE_FORMS).format(month=name, mon=name[:3], day=day, nth=_ordinal(day), year=year)
+        rows.setdefault(text, f"{year:04d}-{month:02d}-{day:02d}")
+    shuffled = sorted(rows.items())
+    rng.shuffle(shuffled)
+    return shuffled
+
+
 SENTIMENT = Task("sentiment", "Classify the sentiment of this review. Review: ", reviews, train_steps=48)
 ORDERS = Task(
     "orders",
@@ -166,4 +199,5 @@ ORDERS = Task(
     orders,
     train_steps=160,
 )
-TASKS = {task.name: task for task in (SENTIMENT, ORDERS)}
+DATES = Task("dates", "Write this date in ISO 8601 form (YYYY-MM-DD). Date: ", dates, train_steps=160)
+TASKS = {task.name: task for task in (SENTIMENT, ORDERS, DATES)}

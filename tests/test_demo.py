@@ -84,3 +84,20 @@ def test_the_local_demo_adapters_task_survives_mxfp4(tmp_path: Path) -> None:
     card = (out / "README.md").read_text()
     assert "| Top-1 agreement on the BF16 model's continuations |" in card and "on assistant turns |" in card
     assert json.loads((out / "fp4prep.json").read_text())["metrics"]["task"]["prompts"] == 50
+
+
+def test_every_demo_task_splits_into_distinct_rows_with_answers_true_to_their_inputs() -> None:
+    import datetime
+
+    from fp4prep.demo_tasks import MONTHS, TASKS
+
+    for task in TASKS.values():
+        train, calibration, evaluation = task.split()
+        assert (len(train), len(calibration), len(evaluation)) == (400, 500, 100), task.name
+        texts = [text for text, _ in train + calibration + evaluation]
+        assert len(set(texts)) == len(texts), f"{task.name}: a row repeats, so the splits overlap"
+        assert task.split() == (train, calibration, evaluation), f"{task.name}: not deterministic"
+    for text, answer in TASKS["dates"].split()[0]:
+        day = datetime.date.fromisoformat(answer)
+        month = MONTHS[day.month - 1]
+        assert (month in text or month[:3] in text) and str(day.year) in text and re.search(rf"\b{day.day}\b|\b{day.day}(st|nd|rd|th)\b", text), (text, answer)

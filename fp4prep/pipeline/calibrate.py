@@ -23,6 +23,7 @@ import torch
 
 from .algorithms.fold import Factors
 from .algorithms.layer_pass import LayerPass
+from .algorithms.mixed import GroupError
 from .device import Compute
 from .errors import PipelineError
 from .model.streaming import decoder_layers
@@ -42,6 +43,11 @@ class Calibrated:
     factors: Factors  # what folding did to each weight
     # Per routed-expert module: [projections GPTQ rounded, projections that kept max calibration].
     expert_gptq: dict[str, list[int]] = field(default_factory=dict)
+    # GPTQ's rounding error per group of projections that read one input (``mixed.GroupError``).
+    rounding_errors: list[GroupError] = field(default_factory=list)
+    # Per decoder layer, where measured (``LayerPass.measure_layers``): what quantizing it adds to
+    # the residual stream, its output's size and its quantized weights.
+    layer_errors: dict[str, list[float]] = field(default_factory=dict)
 
 
 def calibrate(
@@ -95,7 +101,7 @@ def calibrate(
         session.layer_pass = None
     report(1.0)
     _check_coverage(counter)
-    return Calibrated(counter.as_lists(), layer_pass.factors, layer_pass.experts)
+    return Calibrated(counter.as_lists(), layer_pass.factors, layer_pass.experts, layer_pass.errors, layer_pass.layer_errors)
 
 
 def _check_coverage(counter: ExpertCounter) -> None:

@@ -86,6 +86,9 @@ class Recipe:
     # (``serving.EngineNumerics.key``: MXFP4 inputs as on Blackwell), where that differs from what
     # the format declares; the checkpoint still declares its format.
     calibrate_for: str | None = None
+    # Projections (full module names) kept in FP8 (the fp8 format's per-channel, per-token), as a first
+    # calibration's rounding errors chose them (``algorithms/mixed.py``); the steps skip them.
+    fp8_modules: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         kinds = [type(step) for step in self.steps]
@@ -97,6 +100,9 @@ class Recipe:
             raise ValueError(f"{self.format.name} is max-calibrated: its recipe takes no steps")
         if self.calibrate_for not in (None, MXFP4_W4A4.key) or (self.calibrate_for and self.format.name != "mxfp4"):
             raise ValueError(f"{self.format.name} can't be calibrated for {self.calibrate_for!r}")
+        if self.fp8_modules and self.format.name != "nvfp4":
+            # vLLM's ModelOpt mixed-precision loader reads FP8 and NVFP4 layers, not MXFP4 ones.
+            raise ValueError(f"{self.format.name} keeps no projections in FP8: only NVFP4 mixes with FP8")
         for step in self.steps:
             step.check()
 
@@ -131,6 +137,8 @@ class Recipe:
             words += ", then GPTQ against " + ("static weight scales" if self.static_weight_scales else "each block's own scale")
         if self.calibrate_for == MXFP4_W4A4.key:
             words += ", with the inputs quantized to MXFP4 as vLLM does on Blackwell"
+        if self.fp8_modules:
+            words += f"; {len(self.fp8_modules)} projections whose rounding moved their outputs most kept in FP8"
         return words
 
 

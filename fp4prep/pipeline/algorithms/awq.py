@@ -36,6 +36,7 @@ from ..formats import of_quantizer
 from ..formats.engine import nvfp4_activations, nvfp4_global_scale_of
 from ..formats.numerics import mxfp4_fake_quant, nvfp4_fake_quant
 from .fold import NORM_GROUPS, row_target
+from .mixed import e2m1
 
 logger = logging.getLogger(__name__)
 # (values, the input's global amax) -> the values as the engine quantizes them
@@ -100,7 +101,8 @@ def fold_groups(layer: torch.nn.Module, keep: int = 1) -> list[Group]:
             module: Any = layer.get_submodule(name)
         except AttributeError:
             return None
-        return module if is_quantized_linear(module) and module.weight_quantizer.is_enabled else None
+        enabled = is_quantized_linear(module) and module.weight_quantizer.is_enabled
+        return module if enabled and e2m1(module) else None  # a projection kept in FP8 is not searched
 
     groups = []
     for _norm, names in NORM_GROUPS:

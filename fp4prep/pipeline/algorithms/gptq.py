@@ -40,6 +40,7 @@ from ..formats import of_quantizer
 from ..formats.compiled import Compiled
 from ..formats.numerics import E4M3_MAX, mxfp4_exponents, quantize_to_scales, static_nvfp4_scales
 from .fold import Factors, calibrate_weights, static_scales
+from .mixed import GroupError, e2m1, output_error
 
 BLOCK = 128  # columns updated together before the rest of the matrix is corrected
 CHUNK = 16  # columns rounded in one (compiled) step: within one block scale of NVFP4 or MXFP4
@@ -76,8 +77,8 @@ class Hessians:
         from modelopt.torch.quantization.utils import is_quantized_linear
 
         self.stride = stride  # every stride-th token of a batch goes into the Hessians
-        self.modules = {
-            n: m for n, m in layer.named_modules() if is_quantized_linear(m) and m.weight_quantizer.is_enabled
+        self.modules = {  # E2M1 ones: a projection kept in FP8 (mixed.py) is max-calibrated
+            n: m for n, m in layer.named_modules() if is_quantized_linear(m) and m.weight_quantizer.is_enabled and e2m1(m)
         }
         self.inputs: dict[str, _Input] = {}  # first reader's name -> its input's Hessian
         self._last: tuple[torch.Tensor, str] | None = None  # the input seen last, and whose it is
@@ -220,7 +221,9 @@ def _is_mxfp4(quantizer: Any) -> bool:
 
 
 @torch.no_grad()
-def quantize_layer(layer: torch.nn.Module, hessians: Hessians, prefix: str, factors: Factors, damp: float) -> None:
+def quantize_layer(
+    layer: torch.nn.Module, hessians: Hessians, prefix: str, factors: Factors, damp: float
+) -> list[GroupError]:
     """Weight scales for the (folded) layer, then GPTQ's rounding of its weights.
 
     NVFP4 weights need static scales (the checkpoint stores what calibration fixed; max
@@ -231,12 +234,16 @@ def quantize_layer(layer: torch.nn.Module, hessians: Hessians, prefix: str, fact
 
     ``factors`` says what folding multiplied each projection's input by (``in_scale``, keyed by
     ``prefix`` + name + ``.weight``); the Hessians, of the unquantized inputs, were gathered before
-    that. A projection no calibration token reached keeps its max-calibrated weights."""
+    that. A projection no calibration token reached keeps its max-calibrated weights.
+
+    Returns each group's rounding error (the projections that read one input, by full name), which
+    ``mixed.select`` ranks."""
     for name, module in hessians.modules.items():
         quantizer = module.weight_quantizer
         if not (_is_mxfp4(quantizer) or static_scales(quantizer)):
             raise PipelineError(f"GPTQ needs static NVFP4 weight scales; {name} has dynamic ones")
     calibrate_weights(layer, keep_experts=True)  # the block scales GPTQ rounds against, from the folded weights
+    errors = []
     for entry in hessians.inputs.values():
         if entry.hessian is None or entry.tokens == 0:
             continue
@@ -245,7 +252,15 @@ def quantize_layer(layer: torch.nn.Module, hessians: Hessians, prefix: str, fact
         if scale is not None:
             c = scale.to(hessian.device, torch.float32)
             hessian = hessian * c[:, None] * c[None, :]
-        _update([hessians.modules[n] for n in entry.names], hessian, damp)
+        modules = [hessians.modules[n] for n in entry.names]
+        before = [m.weight.detach().clone() for m in modules]
+        _update(modules, hessian, damp)
+        moved = [output_error(w, m.weight, hessian) for w, m in zip(before, modules, strict=True)]
+        errors.append(GroupError(
+            tuple(prefix + n for n in entry.names), sum(e for e, _ in moved), sum(r for _, r in moved),
+            sum(w.numel() for w in before),
+        ))
+    return errors
 
 
 def _update(modules: list[Any], hessian: torch.Tensor, damp: float) -> None:

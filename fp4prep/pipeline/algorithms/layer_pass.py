@@ -8,7 +8,8 @@ fits the Hessian budget get one more pass each, with quantization off). The rout
 first: each expert's scale is searched and folded into its own ``up`` rows, then GPTQ rounds them
 (the rest of the layer's folds do not touch them); then the search picks each dense group's scale,
 the fold moves the scales into norms and projections, and GPTQ rounds the folded weights. What folding did to each
-weight, and how many expert projections GPTQ rounded, are kept per layer, on disk beside
+weight, how many expert projections GPTQ rounded and how far its rounding moved each group's
+outputs (what ``mixed.select`` ranks) are kept per layer, on disk beside
 ModelOpt's layer checkpoints, for the retention check, the report and a calibration that resumes.
 """
 
@@ -18,16 +19,22 @@ import json
 import os
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from ..errors import PipelineError
 from ..recipes import Recipe
 from . import awq, expert_awq, fold, gptq
+from .mixed import GroupError
 
 
 class LayerPass:
     """Runs ``recipe``'s steps on the decoder layers ``layers`` (by identity: index and name prefix)."""
+
+    # After the steps, one more pass of the layer's inputs measures what its quantization adds to
+    # the residual stream (``layer_errors``): off unless asked for (benchmarks/mixed_precision.py).
+    measure_layers = False
 
     def __init__(
         self, recipe: Recipe, layers: dict[int, tuple[int, str]], factors_dir: Path | None = None, tokens: int = 0
@@ -39,12 +46,17 @@ class LayerPass:
         self.factors: fold.Factors = {}
         # Per routed-expert module: [projections GPTQ rounded, projections that kept max calibration].
         self.experts: dict[str, list[int]] = {}
+        self.errors: list[GroupError] = []  # GPTQ's rounding error per group of projections reading one input
+        # Per layer prefix: [sum ||out_q - out||², sum ||out||², quantized weights], where measured.
+        self.layer_errors: dict[str, list[float]] = {}
         if factors_dir is not None and factors_dir.is_dir():
             for path in sorted(factors_dir.glob("*.pt")):
                 # Written by this pipeline into the job's own state directory, never user-supplied.
                 self.factors.update(torch.load(path, weights_only=True))
             for path in sorted(factors_dir.glob("*.experts.json")):
                 self.experts.update(json.loads(path.read_text()))
+            for path in sorted(factors_dir.glob("*.errors.json")):
+                self.errors += [GroupError.from_list(row) for row in json.loads(path.read_text())]
 
     @torch.no_grad()
     def __call__(self, layer: torch.nn.Module, forward_loop: Callable[[torch.nn.Module], None]) -> None:
@@ -88,9 +100,12 @@ class LayerPass:
             if searched:
                 awq.search_and_apply(searched, self.awq.alpha_step, self.awq.scored_tokens)
             factors.update(fold.fold_layer(layer, prefix))
+        errors: list[GroupError] = []
         if self.gptq and hessians is not None:
-            gptq.quantize_layer(layer, hessians, prefix, factors, self.gptq.damp)
-        self._record(index, factors, rounded)
+            errors = gptq.quantize_layer(layer, hessians, prefix, factors, self.gptq.damp)
+        self._record(index, factors, rounded, errors)
+        if self.measure_layers:
+            self.layer_errors[prefix] = _layer_error(layer, forward_loop)
 
     def _round_experts(
         self,
@@ -126,9 +141,12 @@ class LayerPass:
             add(gptq.quantize_experts(collector, self.gptq.damp))
         return totals
 
-    def _record(self, index: int, factors: fold.Factors, experts: dict[str, list[int]]) -> None:
+    def _record(
+        self, index: int, factors: fold.Factors, experts: dict[str, list[int]], errors: list[GroupError]
+    ) -> None:
         self.factors.update(factors)
         self.experts.update(experts)
+        self.errors += errors
         if self.factors_dir is not None:
             self.factors_dir.mkdir(parents=True, exist_ok=True)
             tmp = self.factors_dir / f"{index}.tmp"
@@ -137,3 +155,39 @@ class LayerPass:
             tmp = self.factors_dir / f"{index}.experts.tmp"
             tmp.write_text(json.dumps(experts))
             os.replace(tmp, self.factors_dir / f"{index}.experts.json")
+            tmp = self.factors_dir / f"{index}.errors.tmp"
+            tmp.write_text(json.dumps([e.to_list() for e in errors]))
+            os.replace(tmp, self.factors_dir / f"{index}.errors.json")
+
+
+def _layer_error(layer: torch.nn.Module, forward_loop: Callable[[torch.nn.Module], None]) -> list[float]:
+    """The layer's output on its calibration inputs, quantized against unquantized: the squared
+    error it adds to the residual stream, the output's squared size, and its quantized weights."""
+    from modelopt.torch.quantization.conversion import set_quantizer_by_cfg_context
+    from modelopt.torch.quantization.utils import is_quantized_linear
+
+    sums = [0.0, 0.0]
+    busy: list[int] = []  # the hook's own reference call is not measured again
+
+    def hook(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> None:
+        if busy:
+            return
+        busy.append(1)
+        try:
+            with set_quantizer_by_cfg_context(module, [{"quantizer_name": "*", "enable": False}]):
+                reference = module(*args, **kwargs)
+        finally:
+            busy.clear()
+        out = output[0] if isinstance(output, tuple) else output
+        ref = reference[0] if isinstance(reference, tuple) else reference
+        sums[0] += float((out.float() - ref.float()).square().sum())
+        sums[1] += float(ref.float().square().sum())
+
+    handle = layer.register_forward_hook(hook, with_kwargs=True)
+    try:
+        forward_loop(layer)
+    finally:
+        handle.remove()
+    modules: list[Any] = [m for m in layer.modules() if is_quantized_linear(m)]
+    weights = sum(m.weight.numel() for m in modules if m.weight_quantizer.is_enabled)
+    return [*sums, float(weights)]

@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from ..algorithms import mixed
 from ..device import Compute
 from ..formats import KEPT_BF16
 from ..recipes import Recipe
@@ -36,18 +37,20 @@ def quiet() -> Iterator[io.StringIO]:
 
 def quant_config(recipe: Recipe, compute: Compute, checkpoint_dir: Path | None = None) -> dict[str, Any]:
     """ModelOpt's config for ``recipe``: the format's preset, input quantizers on the engine's
-    arithmetic, weight quantizers on the CPU backend where there is no CUDA, static NVFP4 weight scales for GPTQ, what stays BF16 excluded, and layerwise
+    arithmetic, weight quantizers on the CPU backend where there is no CUDA, static NVFP4 weight
+    scales for GPTQ, the projections the recipe keeps in FP8, what stays BF16 excluded, and layerwise
     calibration (one decoder layer at a time, checkpointed per layer in ``checkpoint_dir``) running
     the recipe's steps, or the preset's own max calibration where it has none."""
     import modelopt.torch.quantization as mtq
 
     config = copy.deepcopy(getattr(mtq, recipe.format.modelopt_config))
     entries = config["quant_cfg"]
+    entries.extend(mixed.fp8_entries(recipe.fp8_modules))  # after the preset's: they override it
     for entry in entries:
         cfg = entry.get("cfg")
         if not isinstance(cfg, dict):
             continue
-        if entry.get("quantizer_name") == "*input_quantizer" and backend.handles(cfg.get("num_bits")):
+        if str(entry.get("quantizer_name")).endswith("input_quantizer") and backend.handles(cfg.get("num_bits")):
             cfg["backend"] = backend.INPUTS  # the engine's arithmetic, on a GPU too
         elif not compute.cuda and backend.handles(cfg.get("num_bits")):
             cfg["backend"] = backend.NAME
