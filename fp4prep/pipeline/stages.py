@@ -26,6 +26,7 @@ import torch
 
 from . import device as device_mod
 from . import preflight, serving
+from .algorithms.mixed import GroupError
 from .calibrate import Calibrated, calibrate
 from .config import EVAL_FILE, ParityReport, PipelineConfig, PipelineResult, ServingReport, TaskReport
 from .errors import Cancelled, InternalError, PipelineError, UserError
@@ -152,7 +153,10 @@ def _calibrate(state: _Run) -> None:
         layers = len(streaming.decoder_layers(state.model)[1])
         if work.calibrated.is_file():
             saved = quantizers.restore(state.model, work.calibrated, state.compute)
-            state.calibrated = Calibrated(saved["expert_tokens"], saved.get("fold_factors", {}), saved.get("expert_gptq", {}))
+            state.calibrated = Calibrated(
+                saved["expert_tokens"], saved.get("fold_factors", {}), saved.get("expert_gptq", {}),
+                [GroupError.from_list(row) for row in saved.get("rounding_errors", [])],
+            )
             state.resumed_from = layers
             _note(config, f"Resuming: every layer was calibrated by an earlier run ({layers} layers)")
             return
@@ -177,6 +181,7 @@ def _quantize(state: _Run) -> None:
             extra = {
                 "expert_tokens": state.calibrated.expert_tokens, "fold_factors": state.calibrated.factors,
                 "expert_gptq": state.calibrated.expert_gptq,
+                "rounding_errors": [e.to_list() for e in state.calibrated.rounding_errors],
             }
             quantizers.save(state.model, work.calibrated, extra)
             work.calibration_done()

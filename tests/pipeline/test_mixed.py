@@ -28,7 +28,9 @@ def test_the_worst_groups_are_chosen_while_they_fit_the_budget() -> None:
     # 100 weights in all; 25% of them: b (60) does not fit, c (20) does, then e (5).
     assert [g.names[0] for g in select(groups, 0.25, 100)] == ["c", "e"]
     assert [g.names[0] for g in select(groups, 0.85, 100)] == ["b", "c", "e"]
-    assert select(groups, 0.0, 100) == []  # nothing rounded exactly (d) is ever chosen, nor anything at 0
+    # With room for all: every group worst first, but d, which rounding did not move, never.
+    assert [g.names[0] for g in select(groups, 1.0, 116)] == ["b", "c", "e", "a"]
+    assert select(groups, 0.0, 100) == []
 
 
 def test_the_output_error_is_what_the_rounding_moved_the_outputs_by() -> None:
