@@ -110,7 +110,10 @@ ARTIFACT_ROOT = env_path("FP4PREP_ARTIFACT_ROOT", VAR_DIR / "artifacts")
 WEIGHTS_ROOT = env_path("FP4PREP_WEIGHTS_ROOT", VAR_DIR / "weights")
 CALIBRATION_MAX_BYTES = env_int("FP4PREP_CALIBRATION_MAX_BYTES", 64 * 1024 * 1024, minimum=1)
 ADAPTER_MAX_BYTES = env_int("FP4PREP_ADAPTER_MAX_BYTES", 8 * 1024**3, minimum=1)
-ADAPTER_MAX_FILES = env_int("FP4PREP_ADAPTER_MAX_FILES", 1000, minimum=1)
+ADAPTER_MAX_FILES = env_int("FP4PREP_ADAPTER_MAX_FILES", 1000, minimum=1)  # members: files and directories
+# What matching an adapter's rank_pattern / alpha_pattern keys to its modules may cost at upload:
+# (regular-expression keys + forms of plain keys) x modules, each one lookup or match.
+ADAPTER_PATTERN_MAX_STEPS = env_int("FP4PREP_ADAPTER_PATTERN_STEPS", 200_000, minimum=1)
 # What one project's uploads (adapter revisions, calibration files) may take on the artifact store.
 PROJECT_STORAGE_BYTES = env_int("FP4PREP_PROJECT_STORAGE_BYTES", 50 * 1024**3, minimum=1)
 FILE_UPLOAD_MAX_MEMORY_SIZE = 4 * 1024 * 1024
@@ -193,7 +196,7 @@ REST_FRAMEWORK = {
     "DEFAULT_PERMISSION_CLASSES": ["registry.auth.HasProject"],
     "DEFAULT_RENDERER_CLASSES": ["rest_framework.renderers.JSONRenderer"],
     "DEFAULT_PARSER_CLASSES": [
-        "rest_framework.parsers.JSONParser",
+        "fp4prep.api.JSONParser",
         "rest_framework.parsers.MultiPartParser",
         "rest_framework.parsers.FormParser",
     ],

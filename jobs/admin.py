@@ -65,15 +65,13 @@ class JobAdmin(LoggedActions):
         if not (reason := self.reason(request)):
             return
         for job in queryset.select_related("project"):
-            if not job.is_terminal:
-                self.message_user(request, f"Job {job.id} is {job.status}; only ended jobs can be requeued.", messages.WARNING)
-                continue
             try:
                 new = services.requeue(job)
                 self.log(request, job, f"Requeued as {new.id}", reason)
                 self.message_user(request, f"Job {job.id}: requeued as {new.id}.", messages.SUCCESS)
             except ServiceError as exc:
-                self.message_user(request, f"Job {job.id}: {exc.message}", messages.ERROR)
+                level = messages.WARNING if exc.code == "not_requeueable" else messages.ERROR
+                self.message_user(request, exc.message if exc.code == "not_requeueable" else f"Job {job.id}: {exc.message}", level)
 
 
 @admin.register(CalibrationFile)

@@ -8,11 +8,13 @@ import shutil
 from collections.abc import Iterator
 from typing import IO, Any
 
+from django.db import transaction
+
 from fp4prep.errors import InvalidInput
 from fp4prep.pipeline.inputs.conversations import validate
 from fp4prep.text import excerpt, format_bytes
 from registry.models import Project
-from registry.services import quota_exceeded, storage_left
+from registry.services import claim_storage, quota_exceeded, storage_left
 
 from .models import CalibrationFile
 
@@ -47,8 +49,10 @@ def store(project: Project, stream: IO[bytes], filename: str, purpose: str = "ca
         record.sha256 = digest.hexdigest()
         record.status = CalibrationFile.Status.PROCESSED if report.ok else CalibrationFile.Status.ERROR
         record.report = {**report.to_dict(), "summary": "ok" if report.ok else report.summary()}
-        shutil.move(str(tmp), str(record.path))
-        record.save()
+        with transaction.atomic():
+            claim_storage(project, record.size_bytes, f"this {format_bytes(record.size_bytes)} file")
+            shutil.move(str(tmp), str(record.path))
+            record.save()
     except BaseException:
         tmp.unlink(missing_ok=True)
         record.path.unlink(missing_ok=True)

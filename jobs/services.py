@@ -241,12 +241,24 @@ def request_cancel(project: Project, job_id: str) -> Job:
     return job
 
 
+REQUEUEABLE = (Job.Status.ERROR, Job.Status.CANCELLED)
+
+
 def requeue(job: Job) -> Job:
     """Support's action: run a failed or cancelled job's inputs again as a new job (new hold, new ID).
 
     What the failed job finished (its calibrated layers, its export) moves to the new job, which
     continues from there.
     """
+    if job.status not in REQUEUEABLE:
+        why = {
+            Job.Status.COMPLETED: "its model is registered, and a requeue would hold and charge for that work again",
+            Job.Status.USER_ERROR: "it stopped on its inputs, which would fail the same way: the customer fixes them and creates a new job",
+        }.get(job.status, "it has not ended")
+        raise Conflict(
+            f"Job {job.id} is {job.status}; only jobs that ended in error or were cancelled can be requeued: {why}",
+            code="not_requeueable",
+        )
     inputs = {
         "adapter_object_id": job.adapter_id,
         "adapter_revision_id": job.adapter_revision_id,

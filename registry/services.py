@@ -13,7 +13,7 @@ from fp4prep.errors import InvalidInput, TooLarge
 from fp4prep.text import format_bytes
 
 from . import archives
-from .artifacts import store_revision
+from .artifacts import manifest, store_revision
 from .models import ApiKey, Model, Project, Revision, SupportedBase, get_model
 
 
@@ -31,6 +31,17 @@ def create_project(name: str, credit: Decimal = Decimal(0), user: Any = None) ->
 
 def storage_left(project: Project) -> int:
     return max(settings.PROJECT_STORAGE_BYTES - project.stored_bytes(), 0)
+
+
+def claim_storage(project: Project, size: int, what: str) -> None:
+    """Inside the transaction that writes the upload's row: lock the project's row and check that
+    ``size`` more bytes fit. Uploads into one project commit one at a time, each counting those
+    before it, so four at once can't each fit the same space (the check before unpacking only
+    spares a doomed upload the work)."""
+    assert transaction.get_connection().in_atomic_block, "claim_storage must run inside the upload's transaction"
+    Project.objects.select_for_update().filter(pk=project.pk).first()
+    if project.stored_bytes() + size > settings.PROJECT_STORAGE_BYTES:
+        raise quota_exceeded(project, what)
 
 
 def quota_exceeded(project: Project, what: str) -> TooLarge:
@@ -65,13 +76,16 @@ def register_adapter(
             adapter_dir = archives.extract(
                 archive, unpacked, max_bytes=min(max_bytes, quota_left), max_files=settings.ADAPTER_MAX_FILES,
                 base_shapes=supported.weight_shapes if supported else None,
+                max_pattern_steps=settings.ADAPTER_PATTERN_MAX_STEPS,
             )
         except TooLarge:
             if quota_left < max_bytes:
                 raise quota_exceeded(project, "this adapter") from None
             raise
         archives.flatten(adapter_dir, unpacked)
+        listing = manifest(unpacked)
         with transaction.atomic():  # a new adapter exists only with its first revision
+            claim_storage(project, listing[1], "this adapter")
             if model is None:
                 model = Model.objects.create(
                     project=project,
@@ -80,5 +94,5 @@ def register_adapter(
                     base_model=base_model,
                     supported_base=supported,
                 )
-            revision = store_revision(model, unpacked, metadata={"source": "upload"})
+            revision = store_revision(model, unpacked, metadata={"source": "upload"}, listing=listing)
     return model, revision

@@ -69,6 +69,25 @@ def test_support_cancels_and_requeues_a_job(support: Client, job: Job) -> None:
     assert logged(job.id) == [("sam", "Cancelled: asked by the customer"), ("sam", f"Requeued as {new.id}: asked by the customer")]
 
 
+@pytest.mark.parametrize(
+    ("status", "why"),
+    [
+        ("completed", "its model is registered, and a requeue would hold and charge for that work again"),
+        ("user_error", "it stopped on its inputs, which would fail the same way"),
+        ("pending", "it has not ended"),
+    ],
+)
+def test_requeue_refuses_jobs_that_did_not_end_in_error_or_cancelled_saying_why(
+    support: Client, job: Job, status: str, why: str
+) -> None:
+    Job.objects.filter(pk=job.pk).update(status=status)
+    held = job.project.credit().held
+    page = action(support, "jobs_job", "requeue", job.id).content.decode()
+    assert f"Job {job.id} is {status}; only jobs that ended in error or were cancelled can be requeued: {why}" in page
+    assert not Job.objects.exclude(pk=job.pk).exists()
+    assert job.project.credit().held == held and logged(job.id) == []
+
+
 def test_an_action_without_a_reason_changes_nothing(support: Client, job: Job) -> None:
     response = action(support, "jobs_job", "cancel", job.id, reason=" ")
     assert "Say why in the Reason box" in response.content.decode()

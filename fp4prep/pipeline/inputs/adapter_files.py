@@ -16,7 +16,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import IO, Any
 
-from fp4prep.text import clip, excerpt
+from fp4prep.text import clip, excerpt, parse_json
 
 from ..errors import UserError
 from .lora_targets import (
@@ -24,6 +24,7 @@ from .lora_targets import (
     PATTERN_FIELDS,
     PATTERN_MAX_CHARS,
     PATTERN_MAX_KEYS,
+    PATTERN_MAX_STEPS,
     WEIGHTS_NAME,
     Patterns,
     Shape,
@@ -35,7 +36,7 @@ from .lora_targets import (
 )
 
 __all__ = [
-    "CONFIG_NAME", "WEIGHTS_NAME", "Shape", "base_weight_shapes", "check_against_base", "check_config",
+    "CONFIG_NAME", "PATTERN_MAX_STEPS", "WEIGHTS_NAME", "Shape", "base_weight_shapes", "check_against_base", "check_config",
     "lora_pairs", "pattern_value", "read_header",
 ]
 
@@ -47,14 +48,22 @@ FLOAT_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2}
 # --- the config ---------------------------------------------------------------------------------------
 
 
+# Ranks and alphas are small; a bound keeps a 4000-digit integer from overflowing float arithmetic.
+NUMBER_MAX = 1_000_000
+
+
 def _positive_number(value: Any, where: str) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+    finite = isinstance(value, int) or (isinstance(value, float) and math.isfinite(value))
+    if isinstance(value, bool) or not finite or value <= 0:
         raise UserError(f"{CONFIG_NAME}: {where} must be a positive number, not {excerpt(value)}")
+    if value > NUMBER_MAX:
+        raise UserError(f"{CONFIG_NAME}: {where} is {excerpt(value)}; at most {NUMBER_MAX:,} is accepted")
 
 
-def check_config(config: Any, modules: Iterable[str]) -> None:
+def check_config(config: Any, modules: Iterable[str], max_pattern_steps: int = PATTERN_MAX_STEPS) -> None:
     """Refuse a config the merge can't apply, naming the field: not LoRA, DoRA, bad ranks or scales,
-    and rank/alpha patterns that don't compile or take too long against the adapter's own modules."""
+    and rank/alpha patterns that don't compile or take too long against the adapter's own modules
+    (more than ``max_pattern_steps`` lookups and matches)."""
     if not isinstance(config, dict):
         raise UserError(f"{CONFIG_NAME} must hold a JSON object")
     peft_type = str(config.get("peft_type", "")).upper()
@@ -79,6 +88,7 @@ def check_config(config: Any, modules: Iterable[str]) -> None:
                 raise UserError(f"{CONFIG_NAME}: {field} key {excerpt(key)} is longer than {PATTERN_MAX_CHARS} characters")
             _positive_number(value, f"{field}[{excerpt(key)}]")
         compiled = Patterns(config, field)
+        compiled.check_cost(len(names), max_pattern_steps)
         for module in names:
             compiled.value(module, None)
 
@@ -102,8 +112,8 @@ def read_header(stream: IO[bytes], size: int, name: str = WEIGHTS_NAME) -> tuple
     if len(raw) < length:
         raise UserError(f"{name} is truncated inside its header")
     try:
-        header = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
+        header = parse_json(raw)
+    except ValueError as exc:
         raise UserError(f"{name} is not a safetensors file: its header is not JSON ({clip(str(exc), 80)})") from None
     if not isinstance(header, dict):
         raise UserError(f"{name} is not a safetensors file: its header is not an object")
@@ -112,32 +122,36 @@ def read_header(stream: IO[bytes], size: int, name: str = WEIGHTS_NAME) -> tuple
     spans = []
     for key, entry in header.items():
         where = f"{name}: tensor {excerpt(key)}"
-        if not isinstance(entry, dict) or entry.get("dtype") not in FLOAT_BYTES:
+        dtype = entry.get("dtype") if isinstance(entry, dict) else None
+        if not isinstance(dtype, str) or dtype not in FLOAT_BYTES:
             raise UserError(f"{where} is not a floating-point tensor (dtype {excerpt(entry.get('dtype') if isinstance(entry, dict) else entry)})")
         shape, offsets = entry.get("shape"), entry.get("data_offsets")
-        if not (isinstance(shape, list) and len(shape) <= 8 and all(isinstance(d, int) and d >= 0 for d in shape)):
+        if not (isinstance(shape, list) and len(shape) <= 8 and all(isinstance(d, int) and 0 <= d < 2**40 for d in shape)):
             raise UserError(f"{where} has no valid shape")
         if not (isinstance(offsets, list) and len(offsets) == 2 and all(isinstance(o, int) for o in offsets)):
             raise UserError(f"{where} has no valid data_offsets")
         begin, end = offsets
-        if end - begin != math.prod(shape) * FLOAT_BYTES[entry["dtype"]]:
-            raise UserError(f"{where}: data_offsets {offsets} don't hold a {entry['dtype']} tensor of shape {shape}")
+        if end - begin != math.prod(shape) * FLOAT_BYTES[dtype]:
+            raise UserError(f"{where}: data_offsets {excerpt(offsets, 80)} don't hold a {dtype} tensor of shape {excerpt(shape, 80)}")
         shapes[key] = tuple(shape)
         spans.append((begin, end))
     position = 0
     for begin, end in sorted(spans):
         if begin != position:
-            raise UserError(f"{name}: tensors overlap or leave gaps at byte {begin:,} of the data")
+            raise UserError(f"{name}: tensors overlap or leave gaps at byte {clip(f'{begin:,}', 40)} of the data")
         position = end
     if position != size - 8 - length:
         raise UserError(f"{name}: its tensors take {position:,} bytes, the file holds {size - 8 - length:,} after the header")
     return prefix + raw, shapes
 
 
-def check_against_base(shapes: dict[str, Shape], config: dict[str, Any] | None, base: dict[str, Any] | None) -> None:
+def check_against_base(
+    shapes: dict[str, Shape], config: dict[str, Any] | None, base: dict[str, Any] | None,
+    max_pattern_steps: int = PATTERN_MAX_STEPS,
+) -> None:
     """``lora_modules`` against a base's table of weight shapes (``{"layers": N, "tensors":
     {normalized name: shape}}``), as an upload is checked before it is stored."""
-    lora_modules(shapes, config, table_base(base or {}))
+    lora_modules(shapes, config, table_base(base or {}), max_pattern_steps)
 
 
 def base_weight_shapes(directory: Path) -> dict[str, Any]:

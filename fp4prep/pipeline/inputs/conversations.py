@@ -8,13 +8,12 @@ Values quoted back in a message are cut short (``excerpt``).
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from fp4prep.text import excerpt
+from fp4prep.text import excerpt, parse_json
 
 from ..errors import UserError
 
@@ -127,11 +126,9 @@ def _check_tools(tools: Any) -> str | None:
 
 def parse_line(text: str) -> tuple[Conversation | None, str | None]:
     try:
-        row = json.loads(text)
-    except json.JSONDecodeError as exc:
-        return None, f"not valid JSON ({exc.msg} at column {exc.colno})"
-    except RecursionError:
-        return None, "not valid JSON for a conversation: nested too deeply"
+        row = parse_json(text)
+    except ValueError as exc:
+        return None, f"not valid JSON ({exc})"
     if not isinstance(row, dict):
         return None, "each line must be a JSON object with a messages list"
     messages = row.get("messages")

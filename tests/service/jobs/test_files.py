@@ -95,7 +95,7 @@ def test_a_line_nested_too_deeply_is_a_line_error_not_a_server_error(people: Peo
     response = people.alice.upload_file(f"{json.dumps(GOOD)}\n{deep}\n".encode())
     assert response.status_code == 201, response.text[:500]
     report = response.json()["report"]
-    assert report["errors"] == [{"line": 2, "message": "not valid JSON for a conversation: nested too deeply"}]
+    assert report["errors"] == [{"line": 2, "message": "not valid JSON (nested too deeply)"}]
 
 
 def test_values_quoted_in_line_errors_are_cut_short(people: People) -> None:

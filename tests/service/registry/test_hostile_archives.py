@@ -14,6 +14,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from django.core.files.uploadedfile import SimpleUploadedFile
+from django.utils.html import escape
 
 from fp4prep.errors import InvalidInput, TooLarge
 from registry import archives
@@ -45,7 +47,7 @@ def test_a_small_archive_of_zeros_posing_as_weights_is_refused_by_its_header(peo
     assert len(archive) < 1024 * 1024
     status, code, message = error_of(people.alice.register_adapter(archive))
     assert (status, code) == (400, "invalid_archive")
-    assert message == "adapter_model.safetensors is not a safetensors file: its header is not JSON (Expecting value: line 1 column 1 (char 0))"
+    assert message == "adapter_model.safetensors is not a safetensors file: its header is not JSON (Expecting value at column 1)"
     assert nothing_stored(people.project_a)
 
 
@@ -193,3 +195,171 @@ def test_uploads_past_the_projects_storage_quota_are_refused(people: People, cat
         # Another project's quota is its own.
         assert people.charlie.register_adapter(archive).status_code == 201
     assert Model.objects.filter(project=people.project_a).count() == 1
+
+
+# --- second round: cost of patterns, members counted, no 500s, no server paths ---------------------------
+
+
+DEMO_MODULES = [
+    f"model.layers.{i}.{m}"
+    for i in range(30)
+    for m in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
+]
+
+
+def test_plain_pattern_keys_are_looked_up_as_pythons_re_would_match_them() -> None:
+    # 4096 keys PEFT-style (module names) against the demo adapter's 210 modules: a few forms of
+    # key, each looked up once per module, give what re gives trying every key on every module.
+    import re
+
+    from fp4prep.pipeline.inputs.lora_targets import PATTERN_MAX_STEPS, Patterns
+
+    keys: dict[str, int] = {f"layers.{i}.mlp.unused_{i}": 4 for i in range(4090)}
+    keys.update({"layers.3.self_attn.q_proj": 16, "q.proj": 2, "model.layers.1.mlp.down_proj": 32, "up_proj": 8})
+    keys.update({r"layers\.2\d\.self_attn\.v_proj": 64, "layers.3.self_attn.q_proj.x": 1})
+    patterns = Patterns({"rank_pattern": keys}, "rank_pattern")
+    patterns.check_cost(len(DEMO_MODULES), PATTERN_MAX_STEPS)
+    assert len(patterns.plain.forms) * len(DEMO_MODULES) < 20_000
+
+    def first(module: str) -> int | None:
+        return next((v for k, v in keys.items() if re.match(rf"(.*\.)?({k})$", module)), None)
+
+    got = {m: patterns.value(m, None) for m in DEMO_MODULES}
+    assert got == {m: first(m) for m in DEMO_MODULES}
+    assert (got["model.layers.3.self_attn.q_proj"], got["model.layers.4.self_attn.q_proj"]) == (16, 2)
+    assert (got["model.layers.1.mlp.down_proj"], got["model.layers.25.self_attn.v_proj"], got["model.layers.0.mlp.up_proj"]) == (32, 64, 8)
+
+
+def test_pattern_keys_that_would_cost_too_much_to_match_are_refused_naming_the_count(people: People, catalogue: Any) -> None:
+    from django.test import override_settings
+
+    keys = {rf"layers\.{i}\.nothing": 8 for i in range(4096)}  # regular expressions: one match per module each
+    archive = tar_gz({"adapter_config.json": config_with(rank_pattern=keys), "adapter_model.safetensors": lora_weights()})
+    with override_settings(ADAPTER_PATTERN_MAX_STEPS=4000):
+        status, code, message = error_of(people.alice.register_adapter(archive))
+    assert (status, code) == (400, "invalid_archive")
+    assert message.startswith(
+        "adapter_config.json: rank_pattern has 4,096 keys, 4,096 of them regular expressions and the rest plain names of 0 "
+        "forms (length and dots); matching them against the adapter's 1 modules takes 4,096 steps, at most 4,000 are accepted"
+    ), message
+    assert nothing_stored(people.project_a)
+    plain = {f"layers.{i}.mlp.unused": 8 for i in range(4096)}
+    archive = tar_gz({"adapter_config.json": config_with(rank_pattern=plain), "adapter_model.safetensors": lora_weights()})
+    with override_settings(ADAPTER_PATTERN_MAX_STEPS=4000):
+        assert people.alice.register_adapter(archive).status_code == 201
+
+
+def tar_of_directories(files: dict[str, bytes], directories: int) -> bytes:
+    buffer = io.BytesIO()
+    with tarfile.open(fileobj=buffer, mode="w:gz") as tar:
+        for name, content in files.items():
+            info = tarfile.TarInfo(name)
+            info.size = len(content)
+            tar.addfile(info, io.BytesIO(content))
+        for i in range(directories):
+            info = tarfile.TarInfo(f"d{i}")
+            info.type = tarfile.DIRTYPE
+            tar.addfile(info)
+    return buffer.getvalue()
+
+
+def test_directories_count_toward_the_member_limit(people: People, catalogue: Any) -> None:
+    status, code, message = error_of(people.alice.register_adapter(tar_of_directories(VALID, 20_000)))
+    assert (status, code, message) == (
+        400, "invalid_archive", "archive holds more than 1,000 members (files and directories); at most 1,000 are accepted"
+    )
+    assert nothing_stored(people.project_a)
+
+
+def zip_of_directories(directories: int) -> bytes:
+    buffer = io.BytesIO()
+    with zipfile.ZipFile(buffer, "w") as zf:
+        for i in range(directories):
+            zf.writestr(zipfile.ZipInfo(f"d{i}/"), b"")
+    return buffer.getvalue()
+
+
+def test_a_zip_is_refused_by_its_central_directorys_count_before_anything_is_unpacked(tmp_path: Path) -> None:
+    path = tmp_path / "dirs.zip"
+    path.write_bytes(zip_of_directories(70_000))  # past 65,535: the count is in the zip64 end record
+    out = tmp_path / "out"
+    with pytest.raises(InvalidInput, match=r"^archive holds 70,000 members \(files and directories\); at most 1,000 are accepted$"):
+        archives.extract(path, out, max_bytes=1024**3, max_files=1000)
+    assert not any(out.iterdir())
+    # An end record that understates the count: zipfile reads as many entries as the directory's
+    # size says, so that size is bounded too.
+    data = bytearray(zip_of_directories(3000))
+    at = data.rfind(b"PK\x05\x06")
+    data[at + 8 : at + 12] = (1).to_bytes(2, "little") * 2
+    path.write_bytes(bytes(data))
+    with pytest.raises(InvalidInput, match=r"^archive's central directory takes [\d,]+ bytes, more than 10 members need$"):
+        archives.extract(path, out, max_bytes=1024**3, max_files=10)
+    assert not any(out.iterdir())
+
+
+@pytest.mark.parametrize(
+    ("files", "message"),
+    [
+        ({"x": b"1", "x/y": b"2"}, "archive member 'x/y' is inside 'x', which is a file"),
+        ({"x/y": b"2", "x": b"1"}, "archive holds 'x' as a file and as a directory"),
+        ({"a" * 260 + ".txt": b"1"}, "archive member 'aaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaa… (266 characters) has a name longer than 255 characters"),
+        ({"d/" + "é" * 200: b"1"}, "archive member 'd/ééééééééééééééééééééééééééééééééééééé… (204 characters) has a name longer than 255 characters, or a part of it longer than 255 bytes"),
+    ],
+)
+def test_members_that_collide_or_cannot_be_named_are_refused_without_server_paths(
+    people: People, catalogue: Any, files: dict[str, bytes], message: str
+) -> None:
+    from django.conf import settings
+
+    archive = tar_gz({**VALID, **files})
+    status, code, text = error_of(people.alice.register_adapter(archive))
+    assert (status, code) == (400, "invalid_archive") and text.startswith(message), text
+    assert str(settings.ARTIFACT_ROOT) not in text and "Errno" not in text
+    assert nothing_stored(people.project_a)
+    page = people.alice.web.post(
+        f"/projects/{people.project_a.id}/adapters/",
+        {"name": "x", "base_model": "tests/tiny-llama", "file": SimpleUploadedFile("a.tar.gz", archive)},
+        headers={"HX-Request": "true"},
+    ).content.decode()
+    assert escape(message) in page and str(settings.ARTIFACT_ROOT) not in page and "Errno" not in page
+
+
+BIG = "9" * 5000
+
+
+def safetensors_with_header(header: str) -> bytes:
+    raw = header.encode()
+    return len(raw).to_bytes(8, "little") + raw
+
+
+@pytest.mark.parametrize(
+    ("files", "message"),
+    [
+        (
+            {"adapter_config.json": LORA_CONFIG, "adapter_model.safetensors": safetensors_with_header(
+                '{"a.lora_A.weight": {"dtype": ["F32"], "shape": [1], "data_offsets": [0, 4]}}'
+            )},
+            "adapter_model.safetensors: tensor 'a.lora_A.weight' is not a floating-point tensor (dtype ['F32'])",
+        ),
+        (
+            {"adapter_config.json": LORA_CONFIG, "adapter_model.safetensors": safetensors_with_header(
+                '{"a.lora_A.weight": {"dtype": "F32", "shape": [' + BIG + '], "data_offsets": [0, 4]}}'
+            )},
+            "adapter_model.safetensors is not a safetensors file: its header is not JSON (a number has more than 4,300 digits)",
+        ),
+        (
+            {"adapter_config.json": b'{"peft_type": "LORA", "r": ' + BIG.encode() + b"}", "adapter_model.safetensors": lora_weights()},
+            "adapter_config.json is not valid JSON: a number has more than 4,300 digits",
+        ),
+        (
+            {"adapter_config.json": b'{"peft_type": "LORA", "r": 4, "lora_alpha": ' + BIG[:4000].encode() + b"}",
+             "adapter_model.safetensors": lora_weights()},
+            "adapter_config.json: lora_alpha is " + "9" * 40 + "… (4,000 characters); at most 1,000,000 is accepted",
+        ),
+    ],
+)
+def test_headers_and_configs_with_odd_json_are_400s_naming_the_field(
+    people: People, catalogue: Any, files: dict[str, bytes], message: str
+) -> None:
+    assert error_of(people.alice.register_adapter(tar_gz(files))) == (400, "invalid_archive", message)
+    assert nothing_stored(people.project_a)
