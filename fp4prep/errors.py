@@ -47,3 +47,10 @@ class Conflict(ServiceError):
 class TooLarge(ServiceError):
     status = 413
     code = "payload_too_large"
+
+
+def check_length(field: str, value: str, limit: int) -> str:
+    """``value`` if it fits its column's ``limit`` characters; otherwise a 400 naming ``field``."""
+    if len(value) > limit:
+        raise InvalidInput(f"{field}: at most {limit:,} characters, not {len(value):,}")
+    return value

@@ -1,5 +1,6 @@
-"""Request bodies are bounded everywhere: only the upload views take more than a small form or JSON.
+"""What every response gets: bounded request bodies and a Content-Security-Policy.
 
+Request bodies are bounded everywhere: only the upload views take more than a small form or JSON.
 Django reads at most the declared Content-Length, so refusing a large declaration before any view
 (or the CSRF check) reads the body means it is never read, spooled or parsed. The upload views set
 their own, larger limits and enforce them while streaming.
@@ -48,3 +49,32 @@ class BodyLimit:
         if request.path.startswith("/v1/"):
             return JsonResponse({"error": {"code": "payload_too_large", "message": message}}, status=413)
         return HttpResponse(message, status=413, content_type="text/plain")
+
+
+# The app's own scripts (htmx, fp4prep.js) and stylesheet only: no inline script, handler or style,
+# no other origin. Images: the app's and the favicon's data: URL.
+CONTENT_SECURITY_POLICY = "; ".join([
+    "default-src 'self'",
+    "script-src 'self'",
+    "style-src 'self'",
+    "img-src 'self' data:",
+    "connect-src 'self'",
+    "font-src 'self'",
+    "object-src 'none'",
+    "base-uri 'self'",
+    "form-action 'self'",
+    "frame-ancestors 'none'",
+])
+# Swagger UI (drf-spectacular's /v1/docs) is a page of inline script that loads its assets from a CDN.
+CSP_EXEMPT = ("/v1/docs",)
+
+
+class ContentSecurityPolicy:
+    def __init__(self, get_response: Callable[[HttpRequest], HttpResponse]) -> None:
+        self.get_response = get_response
+
+    def __call__(self, request: HttpRequest) -> HttpResponse:
+        response = self.get_response(request)
+        if not request.path.startswith(CSP_EXEMPT):
+            response.headers.setdefault("Content-Security-Policy", CONTENT_SECURITY_POLICY)
+        return response

@@ -48,6 +48,7 @@ INSTALLED_APPS = [
 
 MIDDLEWARE = [
     "django.middleware.security.SecurityMiddleware",
+    "fp4prep.middleware.ContentSecurityPolicy",  # on every page, error pages included
     "whitenoise.middleware.WhiteNoiseMiddleware",  # the dashboard's CSS and htmx, without a separate web server
     "django.contrib.sessions.middleware.SessionMiddleware",
     "django.middleware.common.CommonMiddleware",
@@ -180,8 +181,16 @@ AUTH_PASSWORD_VALIDATORS = [
 ]
 # Requests per API key, e.g. 1200/min; counted in the cache, which several web processes must share.
 API_RATE = env_str("FP4PREP_API_RATE", "1200/min")
-if not re.fullmatch(r"\d+/(s|sec|m|min|h|hour|d|day)", API_RATE):
-    raise ImproperlyConfigured(f"FP4PREP_API_RATE={API_RATE!r} must be a count per time, e.g. 1200/min")
+# All of a project's keys together (keys are free to mint).
+API_PROJECT_RATE = env_str("FP4PREP_API_PROJECT_RATE", "3000/min")
+# Per client address, for requests without a valid key: the schema, a missing or wrong key.
+API_ADDRESS_RATE = env_str("FP4PREP_API_ADDRESS_RATE", "120/min")
+for _name, _rate in (("API_RATE", API_RATE), ("API_PROJECT_RATE", API_PROJECT_RATE), ("API_ADDRESS_RATE", API_ADDRESS_RATE)):
+    if not re.fullmatch(r"\d+/(s|sec|m|min|h|hour|d|day)", _rate):
+        raise ImproperlyConfigured(f"FP4PREP_{_name}={_rate!r} must be a count per time, e.g. 1200/min")
+# Proxies in front of the web processes that set X-Forwarded-For (0: clients connect directly, and
+# their addresses are the sockets' peers; a header they send is not believed).
+TRUSTED_PROXIES = env_int("FP4PREP_TRUSTED_PROXIES", 0, minimum=0)
 CACHE_URL = env_str("FP4PREP_CACHE_URL", BROKER_URL)
 if CACHE_URL:
     if not CACHE_URL.startswith(("redis://", "rediss://", "unix://")):
@@ -203,7 +212,8 @@ REST_FRAMEWORK = {
     "DEFAULT_PAGINATION_CLASS": "fp4prep.api.Pagination",
     "PAGE_SIZE": 20,
     "EXCEPTION_HANDLER": "fp4prep.api.exception_handler",
-    "DEFAULT_THROTTLE_CLASSES": ["registry.auth.PerKeyThrottle"],
+    "DEFAULT_THROTTLE_CLASSES": ["registry.auth.PerKeyThrottle", "registry.auth.PerProjectThrottle", "registry.auth.AddressThrottle"],
+    "NUM_PROXIES": TRUSTED_PROXIES,
     "DEFAULT_SCHEMA_CLASS": "drf_spectacular.openapi.AutoSchema",
     "UNAUTHENTICATED_USER": None,
 }
@@ -233,6 +243,9 @@ STATICFILES_DIRS = [BASE_DIR / "static"]
 STATIC_ROOT = env_path("FP4PREP_STATIC_ROOT", VAR_DIR / "static")
 # Served from the finders too, so a fresh checkout works without collectstatic (production runs it).
 WHITENOISE_USE_FINDERS = True
+# Nothing is served as media; a prefix of its own keeps every other path away from media serving
+# (Django's test server would otherwise look each request up as a file first).
+MEDIA_URL = "/media/"
 # Error reports (the debug page, mails to admins) hide URLs that carry passwords too.
 DEFAULT_EXCEPTION_REPORTER_FILTER = "fp4prep.web.SettingsFilter"
 LOGIN_URL = "login"

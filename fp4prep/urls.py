@@ -37,3 +37,9 @@ urlpatterns = [
     path("v1/", include("registry.urls")),
     path("v1/", include("jobs.urls")),
 ]
+
+# Under /v1/, errors Django raises itself answer in the API's error envelope.
+handler400 = "fp4prep.api.bad_request"
+handler403 = "fp4prep.api.permission_denied"
+handler404 = "fp4prep.api.page_not_found"
+handler500 = "fp4prep.api.server_error"

@@ -10,7 +10,7 @@ from typing import IO, Any
 
 from django.db import transaction
 
-from fp4prep.errors import InvalidInput
+from fp4prep.errors import InvalidInput, check_length
 from fp4prep.pipeline.inputs.conversations import validate
 from fp4prep.text import excerpt, format_bytes
 from registry.models import Project
@@ -37,7 +37,7 @@ def store(project: Project, stream: IO[bytes], filename: str, purpose: str = "ca
     size = stream.seek(0, os.SEEK_END)
     if size > storage_left(project):
         raise quota_exceeded(project, f"this {format_bytes(size)} file")
-    record = CalibrationFile(project=project, purpose=purpose, filename=filename[:255] or "calibration.jsonl")
+    record = CalibrationFile(project=project, purpose=purpose, filename=check_length("filename", filename, 255) or "calibration.jsonl")
     record.path.parent.mkdir(parents=True, exist_ok=True)
     tmp = record.path.with_suffix(".part")
     digest = hashlib.sha256()

@@ -12,6 +12,7 @@ from django.utils import timezone
 
 from fp4prep import ids, statuses
 from fp4prep.errors import NotFound
+from fp4prep.text import clip
 from registry.models import Model, Project, Revision, SupportedBase
 
 
@@ -46,7 +47,7 @@ class CalibrationFile(models.Model):
 def get_file(project: Project, file_id: str) -> CalibrationFile:
     found = CalibrationFile.objects.filter(project=project, pk=file_id).first()
     if found is None:
-        raise NotFound(f"Calibration file {file_id} not found", code="file_not_found")
+        raise NotFound(f"Calibration file {clip(file_id, 60)} not found", code="file_not_found")
     return found
 
 
@@ -139,7 +140,7 @@ def get_job(project: Project, job_id: str, among: models.QuerySet[Job] | None = 
     """The project's job; ``among`` (e.g. with select_related) is where to look, all jobs by default."""
     found = (Job.objects.all() if among is None else among).filter(project=project, pk=job_id).first()
     if found is None:
-        raise NotFound(f"Shaping job {job_id} not found", code="job_not_found")
+        raise NotFound(f"Shaping job {clip(job_id, 60)} not found", code="job_not_found")
     return found
 
 

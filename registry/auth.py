@@ -37,9 +37,11 @@ class ApiKeyAuthentication(authentication.BaseAuthentication):
             return None
         keyword, _, raw = header.partition(" ")
         if keyword != self.keyword or not raw.strip():
+            AddressThrottle.check(request)
             raise exceptions.AuthenticationFailed("Authorization header must be 'Bearer <api key>'")
         key = ApiKey.find(raw.strip())
         if key is None:
+            AddressThrottle.check(request)  # guessing keys costs the address its unauthenticated rate
             raise exceptions.AuthenticationFailed("API key is not valid or was revoked")
         now = timezone.now()
         if key.last_used_at is None or now - key.last_used_at > timedelta(minutes=5):
@@ -53,6 +55,7 @@ class ApiKeyAuthentication(authentication.BaseAuthentication):
 class HasProject(permissions.BasePermission):
     def has_permission(self, request: Any, view: Any) -> bool:
         if not isinstance(request.user, ProjectPrincipal):
+            AddressThrottle.check(request)
             raise exceptions.NotAuthenticated("Send your API key: 'Authorization: Bearer <api key>'")
         return True
 
@@ -61,27 +64,77 @@ def project_of(request: Any) -> Project:
     return request.user.project
 
 
-class PerKeyThrottle(throttling.SimpleRateThrottle):
-    """Each API key gets ``FP4PREP_API_RATE`` requests (e.g. ``1200/min``), counted in the cache that
-    every web process shares. If that cache can't be reached the request goes through: throttling
-    protects the service, it must not take it down."""
+class _CacheThrottle(throttling.SimpleRateThrottle):
+    """A rate from settings, counted in the cache that every web process shares. If that cache
+    can't be reached the request goes through: throttling protects the service, it must not take
+    it down."""
 
-    scope = "api_key"
+    setting = ""
 
     def get_rate(self) -> str:
-        return str(settings.API_RATE)
-
-    def get_cache_key(self, request: Any, view: Any) -> str | None:
-        key = getattr(request, "auth", None)
-        if not isinstance(key, ApiKey):
-            return None  # unauthenticated requests are refused before they cost anything
-        return f"throttle_{self.scope}_{key.hashed[:24]}"
+        return str(getattr(settings, self.setting))
 
     def allow_request(self, request: Any, view: Any) -> bool:
         self.rate = self.get_rate()
         self.num_requests, self.duration = self.parse_rate(self.rate)
         try:
             return super().allow_request(request, view)
+        except exceptions.APIException:
+            raise
         except Exception as exc:  # the cache is down: let the request through
             logger.warning("API throttle's cache is unreachable (%s); not throttling", exc)
             return True
+
+
+class PerKeyThrottle(_CacheThrottle):
+    """Each API key gets ``FP4PREP_API_RATE`` requests (e.g. ``1200/min``)."""
+
+    scope = "api_key"
+    setting = "API_RATE"
+
+    def get_cache_key(self, request: Any, view: Any) -> str | None:
+        key = getattr(request, "auth", None)
+        if not isinstance(key, ApiKey):
+            return None  # unauthenticated requests count against their address
+        return f"throttle_{self.scope}_{key.hashed[:24]}"
+
+
+class PerProjectThrottle(_CacheThrottle):
+    """All of a project's keys together get ``FP4PREP_API_PROJECT_RATE``: keys are free to mint,
+    so the per-key rate alone would not bound a project."""
+
+    scope = "api_project"
+    setting = "API_PROJECT_RATE"
+
+    def get_cache_key(self, request: Any, view: Any) -> str | None:
+        key = getattr(request, "auth", None)
+        if not isinstance(key, ApiKey):
+            return None
+        return f"throttle_{self.scope}_{key.project_id}"
+
+
+class AddressThrottle(_CacheThrottle):
+    """Requests without a valid key (the schema, a missing or wrong key) get
+    ``FP4PREP_API_ADDRESS_RATE`` per client address: the socket's peer, or with
+    ``FP4PREP_TRUSTED_PROXIES`` N, the address the Nth proxy from the end saw."""
+
+    scope = "api_address"
+    setting = "API_ADDRESS_RATE"
+    refused = False  # set by check(): the request's key was refused, so it has none to ask for
+
+    def get_cache_key(self, request: Any, view: Any) -> str | None:
+        if not self.refused and isinstance(getattr(request, "auth", None), ApiKey):
+            return None
+        return self.key_for(self.get_ident(request))
+
+    @classmethod
+    def key_for(cls, address: str) -> str:
+        return f"throttle_{cls.scope}_{address}"
+
+    @classmethod
+    def check(cls, request: Any) -> None:
+        """Count a request refused for its key against its address; 429 once past the rate."""
+        throttle = cls()
+        throttle.refused = True
+        if not throttle.allow_request(request, None):
+            raise exceptions.Throttled(throttle.wait())

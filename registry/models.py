@@ -17,6 +17,7 @@ from fp4prep import ids
 from fp4prep.errors import NotFound
 from fp4prep.pipeline.formats import choices as format_choices
 from fp4prep.pipeline.recipes import Thresholds
+from fp4prep.text import clip
 
 CENT = Decimal("0.01")
 
@@ -111,7 +112,8 @@ class ApiKey(models.Model):
     """Stored hashed; the key itself is shown once, when created."""
 
     project = models.ForeignKey(Project, on_delete=models.CASCADE, related_name="api_keys")
-    name = models.CharField(max_length=100, blank=True)
+    NAME_MAX = 100
+    name = models.CharField(max_length=NAME_MAX, blank=True)
     prefix = models.CharField(max_length=12, editable=False)
     hashed = models.CharField(max_length=64, unique=True, editable=False)
     created_at = models.DateTimeField(default=timezone.now)
@@ -232,9 +234,10 @@ class Model(models.Model):
     id = models.CharField(primary_key=True, max_length=40, default=ids.model_id, editable=False)
     project = models.ForeignKey(Project, null=True, blank=True, on_delete=models.CASCADE, related_name="models")
     kind = models.CharField(max_length=10, choices=Kind.choices)
-    name = models.CharField(max_length=200)
+    NAME_MAX = BASE_MODEL_MAX = 200
+    name = models.CharField(max_length=NAME_MAX)
     # Adapters: the base ID they were trained on. Prepared models: the FP4 base that serves them.
-    base_model = models.CharField(max_length=200, blank=True)
+    base_model = models.CharField(max_length=BASE_MODEL_MAX, blank=True)
     supported_base = models.ForeignKey(SupportedBase, null=True, blank=True, on_delete=models.PROTECT, related_name="+")
     source_adapter = models.ForeignKey(
         "self", null=True, blank=True, on_delete=models.PROTECT, related_name="prepared_models"
@@ -266,14 +269,14 @@ def get_model(project: Project, model_id: str, among: models.QuerySet[Model] | N
     ``among`` (e.g. with its relations prefetched) is where to look, all models by default."""
     found = (Model.objects.all() if among is None else among).filter(Q(project=project) | Q(project__isnull=True), pk=model_id).first()
     if found is None:
-        raise NotFound(f"model {model_id} does not exist in this project", code="model_not_found")
+        raise NotFound(f"model {clip(model_id, 60)} does not exist in this project", code="model_not_found")
     return found
 
 
 def get_revision(model: Model, revision_id: str) -> Revision:
     found = model.revisions.filter(pk=revision_id).first()
     if found is None:
-        raise NotFound(f"revision {revision_id} of model {model.id} does not exist", code="revision_not_found")
+        raise NotFound(f"revision {clip(revision_id, 60)} of model {model.id} does not exist", code="revision_not_found")
     return found
 
 

@@ -9,7 +9,7 @@ from typing import Any
 from django.conf import settings
 from django.db import transaction
 
-from fp4prep.errors import InvalidInput, TooLarge
+from fp4prep.errors import InvalidInput, TooLarge, check_length
 from fp4prep.text import format_bytes
 
 from . import archives
@@ -57,7 +57,8 @@ def register_adapter(
     project: Project, archive: Path, *, base_model: str, name: str = "", model_id: str | None = None
 ) -> tuple[Model, Revision]:
     """Check and unpack a PEFT adapter archive, then register it as a new adapter or a new revision."""
-    base_model = base_model.strip()
+    base_model = check_length("base_model", base_model.strip(), Model.BASE_MODEL_MAX)
+    name = check_length("name", name.strip(), Model.NAME_MAX)
     if not base_model:
         raise InvalidInput("base_model is required: the adapter base ID the adapter was trained on")
     model = None
@@ -90,7 +91,7 @@ def register_adapter(
                 model = Model.objects.create(
                     project=project,
                     kind=Model.Kind.ADAPTER,
-                    name=name.strip() or f"adapter on {base_model}",
+                    name=name or f"adapter on {base_model}"[: Model.NAME_MAX],
                     base_model=base_model,
                     supported_base=supported,
                 )

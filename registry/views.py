@@ -11,7 +11,7 @@ from django.urls import reverse
 from django.views.decorators.http import require_POST
 from django_htmx.http import HttpResponseClientRedirect
 
-from fp4prep.errors import NotFound, ServiceError
+from fp4prep.errors import NotFound, ServiceError, check_length
 from fp4prep.pipeline.validation import report as quality
 from fp4prep.web import SESSION_PROJECT, member_projects, paginate, project_page, upload, upload_page
 
@@ -31,11 +31,15 @@ def home(request: HttpRequest) -> HttpResponse:
 
 @project_page
 def keys(request: HttpRequest, project: Project) -> HttpResponse:
-    new_key = None
+    new_key, error = None, ""
     if request.method == "POST":
-        _, new_key = ApiKey.issue(project, request.POST.get("name", "").strip()[:100])
+        try:
+            name = check_length("name", request.POST.get("name", "").strip(), ApiKey.NAME_MAX)
+            _, new_key = ApiKey.issue(project, name)
+        except ServiceError as exc:
+            error = exc.message
     page = paginate(request, project.api_keys.order_by("revoked_at", "-created_at"))
-    return render(request, "registry/keys.html", {"page": page, "new_key": new_key})
+    return render(request, "registry/keys.html", {"page": page, "new_key": new_key, "error": error}, status=400 if error else 200)
 
 
 @require_POST

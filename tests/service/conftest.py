@@ -35,6 +35,9 @@ def service_paths(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
         # The production hasher costs ~0.5 s per password on a 2-core machine and every test signs
         # people up; a cheap one first (PBKDF2 kept so hashes made by a subprocess still verify).
         PASSWORD_HASHERS=["django.contrib.auth.hashers.MD5PasswordHasher", "django.contrib.auth.hashers.PBKDF2PasswordHasher"],
+        # Every test's client is 127.0.0.1: the rate for requests without a valid key would pool
+        # them all. test_limits.py sets it low where it is the subject.
+        API_ADDRESS_RATE="100000/min",
     ):
         yield root
 

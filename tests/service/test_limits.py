@@ -83,3 +83,47 @@ def test_each_api_key_is_rate_limited_on_its_own(people: People) -> None:
         assert (status, code) == (429, "throttled") and message.startswith("Request was throttled.")
         assert 0 < int(response.headers["Retry-After"]) <= 60
         assert people.bob.get("/v1/whoami").status_code == 200  # bob's key is his own
+
+
+def test_all_of_a_projects_keys_share_one_rate(people: People) -> None:
+    from registry.models import ApiKey
+
+    _, extra = ApiKey.issue(people.project_a, "minted")
+    with override_settings(API_RATE="100/min", API_PROJECT_RATE="6/min"):
+        for person in (people.alice, people.bob, people.alice):
+            assert person.get("/v1/whoami").status_code == 200
+        for _ in range(3):
+            assert requests_with(extra, "/v1/whoami", people).status_code == 200
+        response = requests_with(extra, "/v1/whoami", people)  # a new key, but the project's 7th request
+        status, code, _ = error_of(response)
+        assert (status, code) == (429, "throttled") and 0 < int(response.headers["Retry-After"]) <= 60
+        assert people.bob.get("/v1/whoami").status_code == 429
+        assert people.charlie.get("/v1/whoami").status_code == 200  # another project's rate is its own
+
+
+def requests_with(key: str, path: str, people: People) -> Any:
+    import requests
+
+    return requests.get(people.alice.base_url + path, headers={"Authorization": f"Bearer {key}"}, timeout=60)
+
+
+def test_requests_without_a_valid_key_are_limited_per_address(people: People) -> None:
+    import requests
+    from django.core.cache import cache
+
+    from registry.auth import AddressThrottle
+
+    cache.delete(AddressThrottle.key_for("127.0.0.1"))
+    url = people.alice.base_url
+    with override_settings(API_ADDRESS_RATE="10/min"):
+        answers = [requests.get(f"{url}/v1/whoami", headers={"Authorization": f"Bearer fp4_wrong{i}"}, timeout=60) for i in range(6)]
+        answers += [requests.get(f"{url}/v1/whoami", timeout=60) for _ in range(2)]  # no key at all
+        answers += [requests.get(f"{url}/v1/schema", timeout=60) for _ in range(2)]
+        assert [a.status_code for a in answers] == [401] * 8 + [200] * 2
+        # A spoofed X-Forwarded-For is not believed: no proxy is trusted by default.
+        refused = requests.get(f"{url}/v1/whoami", headers={"Authorization": "Bearer fp4_wrong", "X-Forwarded-For": "10.9.8.7"}, timeout=60)
+        status, code, _ = error_of(refused)
+        assert (status, code) == (429, "throttled") and 0 < int(refused.headers["Retry-After"]) <= 60
+        assert requests.get(f"{url}/v1/schema", timeout=60).status_code == 429
+        assert people.alice.get("/v1/whoami").status_code == 200  # a valid key is not counted against its address
+    cache.delete(AddressThrottle.key_for("127.0.0.1"))

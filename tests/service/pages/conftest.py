@@ -77,21 +77,39 @@ def shoot(screenshots: Path) -> Shooter:
     return Shooter(screenshots)
 
 
+# Runs in every page before its own scripts (Playwright's init scripts are not subject to the page's
+# Content-Security-Policy): each violation the browser reports goes to the console, tagged.
+REPORT_CSP_VIOLATIONS = """
+document.addEventListener("securitypolicyviolation", (e) => {
+  console.error("CSP violation: " + e.violatedDirective + " blocked " + (e.blockedURI || "inline") + " (" + e.sample + ") from " + e.sourceFile + ":" + e.lineNumber + " at " + e.documentURI);
+});
+"""
+
+
 @pytest.fixture
-def open_page(browser: Any, live_server: Any) -> Iterator[Any]:
+def csp_violations() -> list[str]:
+    """What the pages opened with ``open_page`` reported violating their Content-Security-Policy."""
+    return []
+
+
+@pytest.fixture
+def open_page(browser: Any, live_server: Any, csp_violations: list[str]) -> Iterator[Any]:
     """A signed-in tab: open_page("alice") in its own browser context (cookies of its own)."""
     contexts: list[Any] = []
 
-    def sign_in(username: str, password: str = "pw") -> Any:
+    def sign_in(username: str, password: str = "pw", landing: str = "/projects/") -> Any:
+        """Sign in from the sign-in page, then wait for ``landing`` (the dashboard, or a ?next= page)."""
         context = browser.new_context(viewport=VIEWPORTS["desktop"], accept_downloads=True)
+        context.add_init_script(REPORT_CSP_VIOLATIONS)
         contexts.append(context)
         page = context.new_page()
+        page.on("console", lambda message: csp_violations.append(message.text) if "CSP violation" in message.text else None)
         page.set_default_timeout(30_000)
-        page.goto(f"{live_server.url}/login/")
+        page.goto(f"{live_server.url}/login/" + ("" if landing == "/projects/" else f"?next={landing}"))
         page.fill("#id_username", username)
         page.fill("#id_password", password)
         page.click("button[type=submit]")
-        page.wait_for_url(f"{live_server.url}/projects/**")
+        page.wait_for_url(f"{live_server.url}{landing}**")
         return page
 
     yield sign_in

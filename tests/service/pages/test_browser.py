@@ -61,7 +61,7 @@ def calibrate_estimate_and_create(page: Any, shoot: Shooter, good: bytes | None)
 
 
 def test_a_team_prepares_watches_downloads_and_cancels_and_an_outsider_sees_nothing(
-    open_page: Any, live_server: Any, people: Any, catalogue: Any, start_worker: Any, shoot: Shooter,
+    open_page: Any, csp_violations: list[str], live_server: Any, people: Any, catalogue: Any, start_worker: Any, shoot: Shooter,
     browser: Any, tiny_adapter_archive: bytes, calibration_bytes: bytes, tmp_path: Path,
 ) -> None:
     start_worker("cpu")
@@ -136,6 +136,15 @@ def test_a_team_prepares_watches_downloads_and_cancels_and_an_outsider_sees_noth
     alice.get_by_role("button", name="Create key").click()
     alice.locator("[data-key]").wait_for()
     shoot(alice, "keys")
+    # Revoking asks first (a data-confirm form: the policy allows no inline handler); declined, nothing changes.
+    questions: list[str] = []
+    alice.once("dialog", lambda dialog: (questions.append(dialog.message), dialog.dismiss()))
+    alice.locator("tr", has_text="CI pipeline").get_by_role("button", name="Revoke").click()
+    assert questions and questions[0].startswith("Revoke ") and questions[0].endswith("Anything using it stops working at once.")
+    assert project.api_keys.get(name="CI pipeline").revoked_at is None
+    alice.once("dialog", lambda dialog: dialog.accept())
+    alice.locator("tr", has_text="CI pipeline").get_by_role("button", name="Revoke").click()
+    alice.locator("tr", has_text="CI pipeline").get_by_text("Revoked").wait_for()
 
     # --- bob: a job without calibration data, cancelled while it runs ----------------------------
     bob = open_page("bob")
@@ -169,6 +178,10 @@ def test_a_team_prepares_watches_downloads_and_cancels_and_an_outsider_sees_noth
             assert "Not found" in charlie.locator("h1, strong").first.inner_text()
     shoot(charlie, "not-found")
 
+    # Every page above ran under the policy: the app's own scripts and styles only, and none refused.
+    assert response.headers["content-security-policy"].startswith("default-src 'self'; script-src 'self'; style-src 'self'")
+    assert csp_violations == []
+
 
 def test_the_footer_links_api_docs_that_render_from_this_server_alone(
     open_page: Any, live_server: Any, people: Any, shoot: Shooter
@@ -185,3 +198,24 @@ def test_the_footer_links_api_docs_that_render_from_this_server_alone(
     shoot(alice, "api-docs")
     schema = alice.request.get(f"{live_server.url}/v1/schema")
     assert schema.ok and b"openapi:" in schema.body()
+
+
+def test_the_admin_runs_under_the_same_policy(
+    open_page: Any, csp_violations: list[str], live_server: Any, people: Any, catalogue: Any
+) -> None:
+    from django.contrib.auth.models import User
+
+    from jobs import services
+
+    User.objects.create_superuser("root", password="pw")
+    adapter = people.project_a.models.create(kind="adapter", name="bot", base_model=TINY_BASE_ID, supported_base=catalogue)
+    Revision.objects.create(model=adapter, number=1, path="x", size_bytes=1, sha256="0" * 64)
+    job = services.create_job(people.project_a, {"adapter_object_id": adapter.id})
+    root = open_page("root", landing="/admin/")
+    for path in ("/admin/", "/admin/jobs/job/", f"/admin/jobs/job/{job.id}/change/", f"/admin/registry/project/{people.project_a.id}/change/",
+                 "/admin/registry/credittransaction/add/"):
+        response = root.goto(live_server.url + path)
+        assert response.status == 200 and "default-src 'self'" in response.headers["content-security-policy"]
+    root.goto(live_server.url + "/admin/jobs/job/")
+    root.locator("select[name=action]").select_option("requeue")  # the actions bar's script runs
+    assert csp_violations == []
