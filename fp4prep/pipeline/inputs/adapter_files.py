@@ -19,21 +19,16 @@ from typing import IO, Any
 from fp4prep.text import clip, excerpt, parse_json
 
 from ..errors import UserError
-from .lora_targets import (
+from .lora_patterns import (
     CONFIG_NAME,
     PATTERN_FIELDS,
     PATTERN_MAX_CHARS,
     PATTERN_MAX_KEYS,
     PATTERN_MAX_STEPS,
-    WEIGHTS_NAME,
     Patterns,
-    Shape,
-    lora_modules,
-    lora_pairs,
-    normalize,
     pattern_value,
-    table_base,
 )
+from .lora_targets import WEIGHTS_NAME, Shape, lora_modules, lora_pairs, normalize, table_base
 
 __all__ = [
     "CONFIG_NAME", "PATTERN_MAX_STEPS", "WEIGHTS_NAME", "Shape", "base_weight_shapes", "check_against_base", "check_config",

@@ -22,7 +22,8 @@ import torch
 
 from ..errors import UserError
 from ..inputs.adapter_files import check_config
-from ..inputs.lora_targets import CONFIG_NAME, BaseTensors, LoraPair, lora_modules, lora_pairs
+from ..inputs.lora_patterns import CONFIG_NAME
+from ..inputs.lora_targets import BaseTensors, LoraPair, lora_modules, lora_pairs
 from .experts import CheckpointNames
 from .lazy import LazyWeights
 from .safetensors import SafetensorsFile, TensorSource, read_config

@@ -212,7 +212,7 @@ def test_plain_pattern_keys_are_looked_up_as_pythons_re_would_match_them() -> No
     # key, each looked up once per module, give what re gives trying every key on every module.
     import re
 
-    from fp4prep.pipeline.inputs.lora_targets import PATTERN_MAX_STEPS, Patterns
+    from fp4prep.pipeline.inputs.lora_patterns import PATTERN_MAX_STEPS, Patterns
 
     keys: dict[str, int] = {f"layers.{i}.mlp.unused_{i}": 4 for i in range(4090)}
     keys.update({"layers.3.self_attn.q_proj": 16, "q.proj": 2, "model.layers.1.mlp.down_proj": 32, "up_proj": 8})
@@ -233,14 +233,21 @@ def test_plain_pattern_keys_are_looked_up_as_pythons_re_would_match_them() -> No
 def test_pattern_keys_that_would_cost_too_much_to_match_are_refused_naming_the_count(people: People, catalogue: Any) -> None:
     from django.test import override_settings
 
-    keys = {rf"layers\.{i}\.nothing": 8 for i in range(4096)}  # regular expressions: one match per module each
+    keys = {rf"layers\.{i}\.nothing": 8 for i in range(4096)}  # regular expressions, each compiled and matched
     archive = tar_gz({"adapter_config.json": config_with(rank_pattern=keys), "adapter_model.safetensors": lora_weights()})
-    with override_settings(ADAPTER_PATTERN_MAX_STEPS=4000):
+    assert error_of(people.alice.register_adapter(archive)) == (
+        400, "invalid_archive",
+        "adapter_config.json: rank_pattern has 4,096 keys that are regular expressions; at most 256 are accepted "
+        "(plain module names such as 'layers.3.self_attn.q_proj', up to 4,096)",
+    )
+    some = {rf"layers\.{i}\.nothing": 8 for i in range(200)} | {f"layers.{i}.mlp.unused": 8 for i in range(100)}
+    archive = tar_gz({"adapter_config.json": config_with(alpha_pattern=some), "adapter_model.safetensors": lora_weights()})
+    with override_settings(ADAPTER_PATTERN_MAX_STEPS=200):
         status, code, message = error_of(people.alice.register_adapter(archive))
     assert (status, code) == (400, "invalid_archive")
     assert message.startswith(
-        "adapter_config.json: rank_pattern has 4,096 keys, 4,096 of them regular expressions and the rest plain names of 0 "
-        "forms (length and dots); matching them against the adapter's 1 modules takes 4,096 steps, at most 4,000 are accepted"
+        "adapter_config.json: alpha_pattern has 300 keys, 200 of them regular expressions and the rest plain names of 2 "
+        "forms (length and dots); matching them against the adapter's 1 modules takes 202 steps, at most 200 are accepted"
     ), message
     assert nothing_stored(people.project_a)
     plain = {f"layers.{i}.mlp.unused": 8 for i in range(4096)}
