@@ -73,5 +73,7 @@ def parse_json(data: str | bytes, *, constants: bool = True) -> Any:
         raise ValueError("not UTF-8 text") from None
     except RecursionError:
         raise ValueError("nested too deeply") from None
-    except ValueError:
+    except ValueError as exc:
+        if "digits" not in str(exc):  # json raises nothing else as a bare ValueError today
+            raise ValueError(clip(str(exc), 80)) from None
         raise ValueError(f"a number has more than {sys.get_int_max_str_digits():,} digits") from None

@@ -80,13 +80,13 @@ class _Budget:
         for parent in parents:
             if parent in self.names:
                 raise invalid(f"archive member {excerpt(name)} is inside {excerpt(parent)}, which is a file")
+        if (name in self.names and directory) or (name in self.directories and not directory):
+            raise invalid(f"archive holds {excerpt(name)} as a file and as a directory")
         if name in self.names:
             raise invalid(f"archive holds {excerpt(name)} twice")
         if directory:
             self.directories.update([name, *parents])
             return
-        if name in self.directories:
-            raise invalid(f"archive holds {excerpt(name)} as a file and as a directory")
         self.names.add(name)
         self.directories.update(parents)
         if self.written + declared > self.max_bytes:
