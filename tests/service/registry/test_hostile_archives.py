@@ -256,22 +256,8 @@ def test_pattern_keys_that_would_cost_too_much_to_match_are_refused_naming_the_c
         assert people.alice.register_adapter(archive).status_code == 201
 
 
-def tar_of_directories(files: dict[str, bytes], directories: int) -> bytes:
-    buffer = io.BytesIO()
-    with tarfile.open(fileobj=buffer, mode="w:gz") as tar:
-        for name, content in files.items():
-            info = tarfile.TarInfo(name)
-            info.size = len(content)
-            tar.addfile(info, io.BytesIO(content))
-        for i in range(directories):
-            info = tarfile.TarInfo(f"d{i}")
-            info.type = tarfile.DIRTYPE
-            tar.addfile(info)
-    return buffer.getvalue()
-
-
 def test_directories_count_toward_the_member_limit(people: People, catalogue: Any) -> None:
-    status, code, message = error_of(people.alice.register_adapter(tar_of_directories(VALID, 20_000)))
+    status, code, message = error_of(people.alice.register_adapter(tar_gz(VALID, directories=20_000)))
     assert (status, code, message) == (
         400, "invalid_archive", "archive holds more than 1,000 members (files and directories); at most 1,000 are accepted"
     )

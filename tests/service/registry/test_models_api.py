@@ -16,13 +16,19 @@ from registry.models import Model, Revision
 from ..helpers import TINY_BASE_ID, People, error_of, lora_weights
 
 
-def tar_gz(files: dict[str, bytes], links: dict[str, str] | None = None) -> bytes:
+def tar_gz(files: dict[str, bytes], links: dict[str, str] | None = None, directories: int = 0) -> bytes:
+    """A .tar.gz of ``files``, then symbolic ``links`` (name -> target) and ``directories`` empty
+    directories (d0, d1, ...)."""
     buffer = io.BytesIO()
     with tarfile.open(fileobj=buffer, mode="w:gz") as tar:
         for name, content in files.items():
             info = tarfile.TarInfo(name)
             info.size = len(content)
             tar.addfile(info, io.BytesIO(content))
+        for i in range(directories):
+            info = tarfile.TarInfo(f"d{i}")
+            info.type = tarfile.DIRTYPE
+            tar.addfile(info)
         for name, target in (links or {}).items():
             info = tarfile.TarInfo(name)
             info.type = tarfile.SYMTYPE
