@@ -86,6 +86,7 @@ def child_ours(quantization: str, out: Path) -> dict:
         "total": time.perf_counter() - started,
         "peak_rss_mib_excluding_validation": peak_before_validation["mib"],
         "peak_rss_mib": peak_rss_mib(),
+        "reads": result.reads,
     }
 
 
@@ -237,6 +238,8 @@ def main() -> None:
                 sys.exit(f"{side} run failed:\n{done.stderr[-4000:]}")
             results[side] = json.loads(done.stdout.strip().splitlines()[-1])
             results[side]["parity"] = parity(out)
+    from fp4prep.pipeline.model.reads import describe
+
     ours, ref = results["ours"], results["reference"]
     print(
         f"fp4prep benchmark on the demo model (SmolLM2-135M + LoRA), {args.quantization}, "
@@ -250,6 +253,8 @@ def main() -> None:
         print(f"  {'total (no validation)':<24} {r['total_excluding_validation']:7.1f} s")
         print(f"  {'peak RSS (no validation)':<24} {r['peak_rss_mib_excluding_validation']:7.0f} MiB")
         print(f"  {'peak RSS (whole run)':<24} {r['peak_rss_mib']:7.0f} MiB")
+        if r.get("reads"):
+            print(f"  read: {describe(r['reads'])}")
         p = r["parity"]
         print(
             f"  parity: on answers KL {p['answer_kl']:.4f}, top-1 on BF16's continuations {p['continuation_top1']:.3f}; "

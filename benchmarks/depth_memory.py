@@ -97,6 +97,8 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
         tok = tokenizer(work / "tokenizer")
+        from fp4prep.pipeline.model.reads import describe
+
         for layers in (shallow, deep):
             if args.arch == "llama":
                 base = random_llama(work / f"base-{layers}", tok, layers, HIDDEN, INTERMEDIATE)
@@ -115,6 +117,7 @@ def main() -> None:
                 f"{result['device']}",
                 flush=True,
             )
+            print(f"{layers:3d} layers: read {describe(result['reads'])}", flush=True)
     extra = rows[deep][3] - rows[shallow][3]  # the extra layers' BF16 bytes on disk
     growth = rows[deep][0] - rows[shallow][0]
     print(f"\nthe {deep - shallow} extra layers hold {extra / 2**20:.0f} MiB in BF16")

@@ -63,6 +63,10 @@ def summary(result: Any) -> str:
         f"  calibrated on {corpus.user_tokens:,} user + {corpus.general_tokens:,} general tokens, "
         f"{corpus.held_out_conversations} conversations held back",
     ]
+    if result.reads:
+        from fp4prep.pipeline.model.reads import describe
+
+        lines.append(f"  read {describe(result.reads)}")
     return "\n".join(lines)
 
 

@@ -157,6 +157,9 @@ class PipelineResult:
     resumed_from_layer: int | None = None
     # Behaviour where the serving hardware computes other than the checkpoint declares.
     serving: list[ServingReport] = field(default_factory=list)
+    # What the run read from the base's weights and from its checkpoint, by stage and as passes
+    # ({"base": {"size_bytes", "read_bytes": {stage: n}, "passes": {stage: x}, "total_passes"}, ...}).
+    reads: dict[str, Any] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
         data = asdict(self)

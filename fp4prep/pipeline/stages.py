@@ -34,6 +34,7 @@ from .export import export, model_card
 from .inputs import corpus as corpus_mod
 from .model import memory, streaming
 from .model.merge import Adapter, MergedWeights, load_adapter
+from .model.reads import ReadTally, safetensors_bytes, tallying
 from .model.safetensors import TensorSource, directory_bytes, read_config
 from .modelopt_ext import quantizers
 from .modelopt_ext.session import Session
@@ -66,6 +67,7 @@ class _Run:
     calibrated: Calibrated | None = None
     resumed_from: int | None = None
     reload_reference: list[torch.Tensor] | None = None
+    reads: ReadTally | None = None
 
 
 def run(config: PipelineConfig) -> PipelineResult:
@@ -84,12 +86,14 @@ def run(config: PipelineConfig) -> PipelineResult:
     torch.manual_seed(config.seed)
     with opened(config.work_dir, config.output_dir) as work, Session(compute) as session:
         state = _Run(config, recipe, progress, work, compute, session)
+        state.reads = ReadTally({"base": config.base_dir, "checkpoint": work.out}, lambda: progress.current)
         try:
-            _merge(state)
-            _calibrate(state)
-            _quantize(state)
-            _export(state)
-            result = _validate(state)
+            with tallying(state.reads):
+                _merge(state)
+                _calibrate(state)
+                _quantize(state)
+                _export(state)
+                result = _validate(state)
         except (UserError, PipelineError, Cancelled):
             raise
         except Exception as exc:
@@ -245,12 +249,14 @@ def _validate(state: _Run) -> PipelineResult:
         missed = gate.misses(thresholds, behaviour, reload_diff, kept)
         if missed and config.quality_gate:
             raise PipelineError("the checkpoint missed its quality thresholds: " + "; ".join(missed))
+        assert state.reads is not None
+        reads = state.reads.report({"base": safetensors_bytes(config.base_dir), "checkpoint": safetensors_bytes(out)})
         result = PipelineResult(
             output_dir=out, quantization=recipe.name, stage_seconds=dict(progress.stage_seconds),
             bf16_bytes=state.bf16_bytes, output_bytes=directory_bytes(out), corpus=state.corpus.stats,
             parity=behaviour, reload_max_logit_diff=reload_diff, retention=kept,
             expert_tokens=state.calibrated.expert_tokens, expert_gptq=state.calibrated.expert_gptq, checks=checks, task=task, device=compute.describe(),
-            quality_misses=missed, resumed_from_layer=state.resumed_from, serving=served,
+            quality_misses=missed, resumed_from_layer=state.resumed_from, serving=served, reads=reads,
         )
         result.checks += [f"reload matches the calibrated model (max logit difference {reload_diff:.4f})"]
         result.checks += report.headline(result.to_dict())

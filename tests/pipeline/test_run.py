@@ -213,3 +213,47 @@ def test_a_checkpoint_that_misses_its_thresholds_is_an_error_not_a_result(
     with pytest.raises(PipelineError, match="missed its quality thresholds: top-1 agreement on the BF16"):
         run_tiny(llama_base, tmp_path / "out", thresholds=impossible)
     assert not (tmp_path / "out").exists()
+
+
+def rchar() -> int:
+    """Bytes this process has read through read(2) and its kin so far, page-cache hits included."""
+    line = next(line for line in Path("/proc/self/io").read_text().splitlines() if line.startswith("rchar:"))
+    return int(line.split()[1])
+
+
+def test_a_run_counts_what_it_reads_from_the_base_and_the_checkpoint(llama_base: Path, tmp_path: Path) -> None:
+    from fp4prep.pipeline.model.reads import ReadTally, safetensors_bytes, tallying
+    from fp4prep.pipeline.model.safetensors import SafetensorsFile, TensorSource
+
+    # Reading every tensor once is one pass over the tensors' bytes: the file less its header.
+    (weights,) = llama_base.glob("*.safetensors")
+    header = SafetensorsFile(weights).data_start
+    tally = ReadTally({"base": llama_base}, lambda: "reading")
+    source = TensorSource(llama_base)
+    with tallying(tally):
+        for name in source.names():
+            source.raw(name)
+    size = weights.stat().st_size
+    assert tally.bytes == {"base": {"reading": size - header}}
+    assert tally.report({"base": size})["base"]["total_passes"] == round((size - header) / size, 2)
+
+    before = rchar()
+    result = run_tiny(llama_base, tmp_path / "out")
+    read_by_process = rchar() - before
+    reads = result.reads
+    assert reads["base"]["size_bytes"] == size
+    assert reads["checkpoint"]["size_bytes"] == safetensors_bytes(tmp_path / "out")
+    for side in ("base", "checkpoint"):
+        assert set(reads[side]["read_bytes"]) <= set(STAGES)
+        for stage, n in reads[side]["read_bytes"].items():
+            assert reads[side]["passes"][stage] == round(n / reads[side]["size_bytes"], 2)
+    # The base is read at least once to quantize and once more for the BF16 side of validation; the
+    # checkpoint only once it exists, and in validation at least once whole (structure, reload).
+    assert reads["base"]["passes"]["quantizing"] >= 0.9 and reads["base"]["passes"]["validating"] >= 0.9, reads
+    assert set(reads["checkpoint"]["read_bytes"]) <= {"exporting", "validating"}, reads
+    assert reads["checkpoint"]["passes"]["validating"] >= 1, reads
+    # What the tally counts the process did read (the kernel's count holds every other file too).
+    counted = sum(sum(side["read_bytes"].values()) for side in reads.values())
+    assert counted <= read_by_process
+    lineage = json.loads((tmp_path / "out" / "fp4prep.json").read_text())
+    assert lineage["metrics"]["reads"] == reads

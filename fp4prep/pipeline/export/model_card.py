@@ -66,7 +66,7 @@ def lineage(config: PipelineConfig, recipe: Recipe, result: PipelineResult) -> d
         },
         "metrics": {
             k: metrics[k]
-            for k in ("parity", "retention", "task", "reload_max_logit_diff", "corpus", "expert_tokens", "expert_gptq")
+            for k in ("parity", "retention", "task", "reload_max_logit_diff", "corpus", "expert_tokens", "expert_gptq", "reads")
         },
         "quality_gate": {"enforced": config.quality_gate, "misses": result.quality_misses},
         "device": result.device,

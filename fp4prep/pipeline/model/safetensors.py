@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from ..errors import UserError
+from . import reads
 
 FP8_BLOCK = 128
 SCALE_INV_SUFFIX = "_scale_inv"
@@ -103,6 +104,7 @@ class SafetensorsFile:
                 done += n
         finally:
             os.close(fd)
+        reads.count(self.path, done)
         return raw.view(_DTYPES[entry["dtype"]]).reshape(entry["shape"])
 
 
@@ -142,6 +144,7 @@ def rewrite_safetensors(source: SafetensorsFile, target: Path, entries: dict[str
                     chunk = f.read(min(left, 64 << 20))
                     out.write(chunk)
                     left -= len(chunk)
+                reads.count(source.path, end - start)
             else:
                 out.write(entry.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
     os.replace(partial, target)
