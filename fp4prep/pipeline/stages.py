@@ -86,7 +86,10 @@ def run(config: PipelineConfig) -> PipelineResult:
     torch.manual_seed(config.seed)
     with opened(config.work_dir, config.output_dir) as work, Session(compute) as session:
         state = _Run(config, recipe, progress, work, compute, session)
-        state.reads = ReadTally({"base": config.base_dir, "checkpoint": work.out}, lambda: progress.current)
+        # The base, the checkpoint, and the weights calibration changed, which the run keeps on disk
+        # (one file each under the work directory's written/) until export reads them.
+        sources = {"base": config.base_dir, "checkpoint": work.out, "written": work.written}
+        state.reads = ReadTally(sources, lambda: progress.current)
         try:
             with tallying(state.reads):
                 _merge(state)
@@ -250,7 +253,8 @@ def _validate(state: _Run) -> PipelineResult:
         if missed and config.quality_gate:
             raise PipelineError("the checkpoint missed its quality thresholds: " + "; ".join(missed))
         assert state.reads is not None
-        reads = state.reads.report({"base": safetensors_bytes(config.base_dir), "checkpoint": safetensors_bytes(out)})
+        sizes = {"base": safetensors_bytes(config.base_dir), "checkpoint": safetensors_bytes(out)}
+        reads = state.reads.report({**sizes, "written": safetensors_bytes(state.work.written)})
         result = PipelineResult(
             output_dir=out, quantization=recipe.name, stage_seconds=dict(progress.stage_seconds),
             bf16_bytes=state.bf16_bytes, output_bytes=directory_bytes(out), corpus=state.corpus.stats,

@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from . import reads
 from .experts import CheckpointNames
 from .memory import trim_heap
 
@@ -133,7 +134,9 @@ class WrittenBack(MutableMapping[str, torch.Tensor]):
     def load(self, name: str) -> torch.Tensor:
         from safetensors.torch import load_file
 
-        return load_file(str(self._path(name)), device=str(self.weights.device))["tensor"].to(self.weights.dtype)
+        path = self._path(name)
+        reads.count(path, path.stat().st_size)
+        return load_file(str(path), device=str(self.weights.device))["tensor"].to(self.weights.dtype)
 
     def __contains__(self, name: object) -> bool:
         return name in self.weights

@@ -19,7 +19,7 @@ _TALLY: contextvars.ContextVar[ReadTally | None] = contextvars.ContextVar("fp4pr
 
 
 def safetensors_bytes(directory: Path) -> int:
-    return sum(p.stat().st_size for p in directory.glob("*.safetensors"))
+    return sum(p.stat().st_size for p in directory.glob("*.safetensors")) if directory.is_dir() else 0
 
 
 class ReadTally:
@@ -77,6 +77,8 @@ def describe(report: dict[str, Any]) -> str:
     """A ``ReadTally.report`` in one line: ``base 4.01 passes (quantizing 0.99, ...); checkpoint ...``."""
     parts = []
     for name, side in report.items():
+        if not side["read_bytes"]:
+            continue
         stages = ", ".join(f"{stage} {passes:.2f}" for stage, passes in side["passes"].items())
         parts.append(f"{name} {side['total_passes']:.2f} passes ({stages})")
     return "; ".join(parts)
