@@ -8,12 +8,12 @@ from django.core.exceptions import RequestDataTooBig, TooManyFieldsSent, TooMany
 from django.core.files.uploadhandler import FileUploadHandler, StopUpload, TemporaryFileUploadHandler
 from django.http import Http404, HttpRequest, HttpResponse, JsonResponse
 from django.views import defaults
-from rest_framework import exceptions, pagination, parsers
+from rest_framework import exceptions, pagination
 from rest_framework.response import Response
 from rest_framework.views import exception_handler as drf_exception_handler
 
 from .errors import ServiceError, TooLarge
-from .text import format_bytes, parse_json
+from .text import format_bytes
 
 DRF_CODES = {
     400: "invalid_request",
@@ -63,19 +63,6 @@ def exception_handler(exc: Exception, context: dict[str, Any]) -> Response | Non
         if header in response:
             body[header] = response[header]
     return body
-
-
-class JSONParser(parsers.JSONParser):
-    """DRF's JSON parser, with every bad body a 400 that says what is wrong: one nested past
-    Python's recursion limit or holding a 5000-digit number too (a 500 and an interpreter hint in
-    DRF's). The body was bounded before the view (``FP4PREP_REQUEST_MAX_BYTES``)."""
-
-    def parse(self, stream: Any, media_type: Any = None, parser_context: Any = None) -> Any:
-        data = stream.read() if stream is not None else b""
-        try:
-            return parse_json(data, constants=False)
-        except ValueError as exc:
-            raise exceptions.ParseError(f"Request body is not valid JSON: {exc}") from None
 
 
 class Pagination(pagination.PageNumberPagination):

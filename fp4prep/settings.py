@@ -205,7 +205,7 @@ REST_FRAMEWORK = {
     "DEFAULT_PERMISSION_CLASSES": ["registry.auth.HasProject"],
     "DEFAULT_RENDERER_CLASSES": ["rest_framework.renderers.JSONRenderer"],
     "DEFAULT_PARSER_CLASSES": [
-        "fp4prep.api.JSONParser",
+        "fp4prep.parsers.JSONParser",
         "rest_framework.parsers.MultiPartParser",
         "rest_framework.parsers.FormParser",
     ],
