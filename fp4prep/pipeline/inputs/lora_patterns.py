@@ -80,16 +80,18 @@ class Patterns:
         items = list((config.get(field) or {}).items())
         self.values = [value for _, value in items]
         self.plain = _PlainKeys()
-        expressions = [(order, key) for order, (key, _) in enumerate(items) if not _PLAIN_KEY.fullmatch(key)]
+        expressions: list[tuple[int, str]] = []
+        for order, (key, _) in enumerate(items):
+            if _PLAIN_KEY.fullmatch(key):
+                self.plain.add(order, key)
+            else:
+                expressions.append((order, key))
         if len(expressions) > PATTERN_MAX_EXPRESSIONS:  # before compiling any: each takes about half a millisecond
             raise UserError(
                 f"{CONFIG_NAME}: {field} has {len(expressions):,} keys that are regular expressions; at most "
                 f"{PATTERN_MAX_EXPRESSIONS} are accepted (plain module names such as 'layers.3.self_attn.q_proj', "
                 f"up to {PATTERN_MAX_KEYS:,})"
             )
-        for order, (key, _) in enumerate(items):
-            if _PLAIN_KEY.fullmatch(key):
-                self.plain.add(order, key)
         self.compiled: list[tuple[int, str, Any]] = [(order, key, self._compile(key)) for order, key in expressions]
 
     def _compile(self, key: str) -> Any:

@@ -1,8 +1,10 @@
-"""Bytes a run reads from the base's weights and from its checkpoint, by stage, as passes.
+"""Bytes a run reads from the base's weights, its checkpoint and the weights calibration wrote
+back, by stage, as passes.
 
 On a big base a job's time is the time to move its weights, so what a run reads is a figure it
-reports: every tensor read goes through ``SafetensorsFile.read``, which adds its bytes to the
-tally of the run in progress (a context variable, so runs in other threads count apart). A pass is
+reports: ``SafetensorsFile.read``, the byte copies of ``rewrite_safetensors`` and the written-back
+store's ``load`` add what they read to the tally of the run in progress (a context variable, so
+runs in other threads count apart). A pass is
 the directory's safetensors bytes read once; 2.5 passes in validation means the stage read the
 equivalent of the whole checkpoint two and a half times, page-cache hits included.
 """
