@@ -156,6 +156,7 @@ def parity(out: Path) -> dict:
     from fp4prep.pipeline.model.merge import MergedWeights
     from fp4prep.pipeline.validation import parity as behaviour
     from fp4prep.pipeline.validation import reader
+    from fp4prep.pipeline.validation import task as task_set
 
     assets = demo.build()
     tokenizer = AutoTokenizer.from_pretrained(assets.base_dir)
@@ -165,8 +166,9 @@ def parity(out: Path) -> dict:
     merged = MergedWeights(source, merge.load_adapter(assets.adapter_dir), compute.dtype, compute.device)
     bf16 = streaming.build(checkpoint.read_config(assets.base_dir), merged, compute, assets.base_dir)
     candidate = reader.load(out, compute)
-    report = behaviour.token_parity(bf16, candidate, examples, 16)
-    task, _ = behaviour.task_success(candidate, tokenizer, assets.eval_file)
+    tasks = task_set.load(assets.eval_file, tokenizer, behaviour.end_of_turn(bf16))
+    measured = behaviour.compare(behaviour.reference_of(bf16, examples, 16, task=tasks), candidate)
+    report, task = measured.parity, measured.task_success
     del bf16, candidate
     torch.cuda.empty_cache() if torch.cuda.is_available() else None
     return {

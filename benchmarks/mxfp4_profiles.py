@@ -43,7 +43,6 @@ def candidates() -> dict[str, Any]:
 
 
 def measure(task: str) -> list[dict[str, Any]]:
-    from transformers import AutoTokenizer
 
     from fp4prep import demo
     from fp4prep.pipeline import PipelineConfig, Thresholds, device, run
@@ -52,7 +51,6 @@ def measure(task: str) -> list[dict[str, Any]]:
     from fp4prep.pipeline.validation import parity, reader
 
     assets = demo.build(task=demo.TASKS[task])
-    tokenizer = AutoTokenizer.from_pretrained(assets.base_dir)
     anything = Thresholds(continuation_top1=0, answer_kl=1e9, identical_greedy=0, adapter_retention=-1e9,
                           reload_max_logit_diff=1e9)
     rows = []
@@ -60,7 +58,8 @@ def measure(task: str) -> list[dict[str, Any]]:
         config = PipelineConfig(base_dir=assets.base_dir, output_dir=Path(tmp) / "unused", adapter_dir=assets.adapter_dir,
                                 calibration_file=assets.calibration_file, quantization="mxfp4", device="cpu")
         reference = parity_reference(config)
-        bf16_task, prompts = parity.task_success(reference.model, tokenizer, assets.eval_file)
+        assert reference.task is not None, "the demo adapter carries its evaluation prompts"
+        bf16_task, prompts = reference.task_success, len(reference.task.prompts)
         compute = device.resolve("cpu")
         for i, (name, recipe) in enumerate(candidates().items()):
             out = Path(tmp) / f"c{i}"
@@ -71,8 +70,8 @@ def measure(task: str) -> list[dict[str, Any]]:
                 ("Hopper (inputs BF16)", reader.load(out, compute, quantize_activations=False)),
                 ("Blackwell (W4A4)", reader.load(out, compute, numerics=MXFP4_W4A4.key)),
             ):
-                p = parity.compare(reference, model)
-                score, _ = parity.task_success(model, tokenizer, assets.eval_file)
+                measured = parity.compare(reference, model)
+                p, score = measured.parity, measured.task_success
                 rows.append({
                     "task": task, "recipe": name, "served on": profile, "answer_top1": p.answer_top1,
                     "answer_kl": p.answer_kl, "continuation_top1": p.continuation_top1,

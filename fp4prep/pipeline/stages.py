@@ -40,7 +40,7 @@ from .modelopt_ext import quantizers
 from .modelopt_ext.session import Session
 from .progress import Progress
 from .recipes import Recipe, recipe_for
-from .validation import gate, parity, reader, report, retention, structure
+from .validation import gate, parity, reader, report, retention, structure, task
 from .workdir import WorkDir, fingerprint, opened
 
 logger = logging.getLogger(__name__)
@@ -110,19 +110,23 @@ def run(config: PipelineConfig) -> PipelineResult:
 
 
 def parity_reference(config: PipelineConfig) -> parity.Reference:
-    """The BF16 merged model of ``config``'s base and adapter on the held-back examples a run with
-    ``config`` validates on: the side of parity every checkpoint is measured against."""
-    examples = _corpus(config, _tokenizer(config.base_dir)).parity
+    """The BF16 merged model of ``config``'s base and adapter on the held-back examples and the
+    adapter's task a run with ``config`` validates on: the side every checkpoint is measured against."""
+    tokenizer = _tokenizer(config.base_dir)
+    examples = _corpus(config, tokenizer).parity
     compute = device_mod.resolve(config.device)
     adapter = load_adapter(config.adapter_dir) if config.adapter_dir else None
     merged = MergedWeights(TensorSource(config.base_dir), adapter, compute.dtype, compute.device)
     model = streaming.build(read_config(config.base_dir), merged, compute, config.base_dir)
-    return parity.reference_of(model, examples, config.continuation_tokens)
+    eval_file = config.eval_file or _adapter_eval_file(config.adapter_dir)
+    task_set = task.load(eval_file, tokenizer, parity.end_of_turn(model)) if eval_file else None
+    return parity.reference_of(model, examples, config.continuation_tokens, task=task_set)
 
 
-def parity_of(config: PipelineConfig, checkpoint: Path, reference: parity.Reference | None = None) -> ParityReport:
-    """Parity of an existing ``checkpoint`` with the BF16 merged model of ``config`` (damage studies,
-    audits); ``reference`` is ``parity_reference(config)`` where the caller measures several."""
+def parity_of(config: PipelineConfig, checkpoint: Path, reference: parity.Reference | None = None) -> parity.Behaviour:
+    """Parity of an existing ``checkpoint`` with the BF16 merged model of ``config``, and its task
+    score (damage studies, audits); ``reference`` is ``parity_reference(config)`` where the caller
+    measures several."""
     reference = reference or parity_reference(config)
     return parity.compare(reference, reader.load(checkpoint, device_mod.resolve(config.device)))
 
@@ -234,11 +238,11 @@ def _validate(state: _Run) -> PipelineResult:
         # the checkpoint as declared, and as the engine computes it on each profile that differs.
         share = 0.8 / (len(profiles) + 2)
         bf16 = _bf16_side(state, bf16_model, progress.sub(0.2, 0.2 + share))
-        measured = [_behaviour(state, bf16, candidate, progress.sub(0.2 + share, 0.2 + 2 * share))]
+        measured = [_behaviour(bf16, candidate, progress.sub(0.2 + share, 0.2 + 2 * share))]
         del candidate
         for i, (numerics, _) in enumerate(profiles, 2):
             there = reader.load(out, compute, numerics=numerics.key)
-            measured.append(_behaviour(state, bf16, there, progress.sub(0.2 + i * share, 0.2 + (i + 1) * share)))
+            measured.append(_behaviour(bf16, there, progress.sub(0.2 + i * share, 0.2 + (i + 1) * share)))
             del there
         del bf16_model, bf16
         (behaviour, task), thresholds = measured[0], config.thresholds or recipe.thresholds
@@ -269,41 +273,24 @@ def _validate(state: _Run) -> PipelineResult:
     return result
 
 
-@dataclass
-class _Bf16Side:
-    reference: parity.Reference
-    eval_file: Path | None
-    task_success: float = 0.0
-    task_prompts: int = 0
-
-
-def _bf16_side(state: _Run, bf16_model: Any, report: Callable[[float], None]) -> _Bf16Side:
+def _bf16_side(state: _Run, bf16_model: Any, report: Callable[[float], None]) -> parity.Reference:
     """What the BF16 merged model does on the parity examples and the adapter's own task."""
     config = state.config
     assert state.corpus is not None
     eval_file = config.eval_file or _adapter_eval_file(config.adapter_dir)
-    parity_end = 0.6 if eval_file is not None else 1.0
-    reference = parity.reference_of(
-        bf16_model, state.corpus.parity, config.continuation_tokens, lambda f: report(parity_end * f)
-    )
-    side = _Bf16Side(reference, eval_file)
-    if eval_file is not None:
-        side.task_success, side.task_prompts = parity.task_success(
-            bf16_model, state.tokenizer, eval_file, lambda f: report(0.6 + 0.4 * f)
-        )
-    return side
+    task_set = task.load(eval_file, state.tokenizer, parity.end_of_turn(bf16_model)) if eval_file else None
+    return parity.reference_of(bf16_model, state.corpus.parity, config.continuation_tokens, report, task_set)
 
 
 def _behaviour(
-    state: _Run, bf16: _Bf16Side, candidate: Any, report: Callable[[float], None]
+    bf16: parity.Reference, candidate: Any, report: Callable[[float], None]
 ) -> tuple[ParityReport, TaskReport | None]:
     """Parity with the BF16 merged model, and the adapter's own task on both, where it has one."""
-    parity_end = 0.6 if bf16.eval_file is not None else 1.0
-    behaviour = parity.compare(bf16.reference, candidate, lambda f: report(parity_end * f))
-    if bf16.eval_file is None:
-        return behaviour, None
-    score, _ = parity.task_success(candidate, state.tokenizer, bf16.eval_file, lambda f: report(0.6 + 0.4 * f))
-    return behaviour, TaskReport(prompts=bf16.task_prompts, bf16_success=bf16.task_success, quantized_success=score)
+    measured = parity.compare(bf16, candidate, report)
+    if bf16.task is None or measured.task_success is None:
+        return measured.parity, None
+    task_report = TaskReport(prompts=len(bf16.task.prompts), bf16_success=bf16.task_success, quantized_success=measured.task_success)
+    return measured.parity, task_report
 
 
 def _total_tokens(config: PipelineConfig) -> int:

@@ -51,7 +51,7 @@ def reference(assets: demo.DemoAssets) -> Any:
 
 
 def parity_against_the_merged_model(assets: demo.DemoAssets, checkpoint: Path, reference: Any) -> Any:
-    return parity_of(merged_model_config(assets), checkpoint, reference)
+    return parity_of(merged_model_config(assets), checkpoint, reference).parity
 
 
 def parity_misses(report: Any) -> list[str]:

@@ -1,5 +1,6 @@
 """The parity metrics themselves: a model compared with itself agrees everywhere with zero KL, each
-metric counts the positions it says it does, and a damaged copy shows on every one of them."""
+metric counts the positions it says it does, a damaged copy shows on every one of them, and the
+figures computed teacher-forced are the ones decoding gives."""
 
 from __future__ import annotations
 
@@ -10,7 +11,8 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from fp4prep.pipeline.inputs.corpus import ParityExample
-from fp4prep.pipeline.validation.parity import token_parity
+from fp4prep.pipeline.validation.parity import compare, greedy, reference_of, token_parity
+from fp4prep.pipeline.validation.task import TaskSet
 
 
 def examples(vocab: int) -> list[ParityExample]:
@@ -41,3 +43,34 @@ def test_a_model_agrees_with_itself_and_a_damaged_copy_shows(llama_base: Path) -
     assert worse.answer_kl > 0.001 and worse.mean_kl > 0.001 and worse.continuation_kl > 0.001
     assert worse.answer_top1 < 0.5 and worse.top1_agreement < 0.5 and worse.continuation_top1 < 0.5
     assert worse.identical_greedy < 1.0
+
+
+def test_teacher_forced_agreement_is_what_decoding_the_candidate_gives(llama_base: Path) -> None:
+    # The identical-greedy share and the task score are computed without decoding the candidate:
+    # on a lightly damaged copy, some continuations and answers survive and some do not, and each
+    # figure must equal what greedy decoding of that copy gives.
+    model = AutoModelForCausalLM.from_pretrained(llama_base, dtype=torch.float32).eval()
+    vocab = model.config.vocab_size
+    generator = torch.Generator().manual_seed(2)
+    cases = [ParityExample(ids, ids[:12], [(12, 30)]) for ids in torch.randint(0, vocab, (12, 30), generator=generator).tolist()]
+    prompts = [e.prompt_ids for e in cases]
+    # The task: each prompt's own greedy answer of 3 tokens, its turn ended by the 4th token picked.
+    picked = greedy(model, prompts, 4)
+    assert all(len(p) == 4 for p in picked), "a random model ended its turn early; pick another seed"
+    tasks = TaskSet(prompts, [p[:3] for p in picked], {p[3] for p in picked})
+    reference = reference_of(model, cases, 8, task=tasks)
+    assert reference.task_success == 1.0
+
+    damaged = copy.deepcopy(model)
+    with torch.no_grad():
+        for layer in damaged.model.layers:
+            weight = layer.mlp.down_proj.weight
+            weight.add_(torch.randn(weight.shape, generator=torch.Generator().manual_seed(3)) * 0.15 * weight.std())
+    measured = compare(reference, damaged)
+    decoded = greedy(damaged, prompts, 8)
+    identical = sum(a == b for a, b in zip(decoded, reference.expected, strict=True)) / len(cases)
+    assert 0.0 < identical < 1.0, "the damage should leave some continuations and change others"
+    assert measured.parity.identical_greedy == identical
+    answered = [row[:4] for row in decoded]
+    hits = sum(row[:3] == t and row[3] in tasks.end for row, t in zip(answered, tasks.answers, strict=True))
+    assert 0 < hits < len(cases) and measured.task_success == hits / len(cases)

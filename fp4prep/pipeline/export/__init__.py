@@ -16,7 +16,7 @@ import torch
 
 from ..formats import COMPRESSED_TENSORS
 from ..model.safetensors import Entry, SafetensorsFile, rewrite_safetensors
-from ..modelopt_ext.quantizers import quiet
+from ..modelopt_ext.quantizers import quiet, sharing_done
 from ..recipes import Recipe
 from .compressed_tensors import to_compressed_tensors
 
@@ -28,12 +28,13 @@ def export(model: torch.nn.Module, recipe: Recipe, tokenizer: Any, output_dir: P
     """ModelOpt's unified export, then our layout fix-ups and the tokenizer.
 
     On a model from ``streaming.build`` ModelOpt takes its streaming path: each decoder layer is
-    materialized, quantized to its packed form and added to the current shard, then dropped.
+    materialized, quantized to its packed form and added to the current shard, then dropped. Where
+    the run already gave fused groups their shared scales, that walk is the only one.
     """
     from modelopt.torch.export import export_hf_checkpoint
 
     output_dir.mkdir(parents=True, exist_ok=True)
-    with torch.no_grad(), quiet():
+    with torch.no_grad(), quiet(), sharing_done(model):
         export_hf_checkpoint(model, dtype=torch.bfloat16, export_dir=output_dir, max_shard_size=SHARD_BYTES)
     to_bf16(output_dir)
     tokenizer.save_pretrained(output_dir)

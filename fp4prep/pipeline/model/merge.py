@@ -241,12 +241,13 @@ class MergedWeights(LazyWeights):
         checkpoint stores experts apart)."""
         return sorted(set(self.updates) | set(self._replacements))
 
-    def merged(self, name: str) -> torch.Tensor:
-        """One stored tensor of the merged model, in BF16, on this map's device."""
+    def merged(self, name: str, base: torch.Tensor | None = None) -> torch.Tensor:
+        """One stored tensor of the merged model, in BF16, on this map's device; ``base`` is the
+        base's tensor where the caller has already read it (BF16 values in any wider dtype)."""
         if name in self._replacements:
             assert self._adapter is not None
             return self._adapter.read(self._replacements[name]).to(self.device, MERGED_DTYPE)
-        weight = self.source.get(name, MERGED_DTYPE, self.device)
+        weight = self.source.get(name, MERGED_DTYPE, self.device) if base is None else base.to(self.device, MERGED_DTYPE)
         updates = self.updates.get(name)
         if not updates:
             return weight

@@ -23,6 +23,9 @@ from .session import METHOD
 
 logger = logging.getLogger(__name__)
 
+# Set on a model whose fused groups ``share_fused_scales`` gave one global scale.
+SHARED_MARK = "_fp4prep_fused_scales_shared"
+
 
 @contextlib.contextmanager
 def quiet() -> Iterator[io.StringIO]:
@@ -98,6 +101,25 @@ def share_fused_scales(model: torch.nn.Module) -> None:
 
     with torch.no_grad(), quiet():
         requantize_resmooth_fused_llm_layers(model)
+    setattr(model, SHARED_MARK, True)
+
+
+@contextlib.contextmanager
+def sharing_done(model: torch.nn.Module) -> Iterator[None]:
+    """Inside, ModelOpt's streaming export skips its own sharing pass where ``share_fused_scales``
+    already ran on ``model``: the pass is a forward through every layer (on a streamed model, a read
+    of all its weights) whose work is already done and would come out the same."""
+    if not getattr(model, SHARED_MARK, False):
+        yield
+        return
+    from modelopt.torch.export import unified_export_hf_streaming as streaming_export
+
+    shared = streaming_export.requantize_resmooth_fused_llm_layers
+    streaming_export.requantize_resmooth_fused_llm_layers = lambda model: None
+    try:
+        yield
+    finally:
+        streaming_export.requantize_resmooth_fused_llm_layers = shared
 
 
 def save(model: torch.nn.Module, path: Path, extra: dict[str, Any]) -> None:

@@ -1,21 +1,19 @@
 """Behaviour against the BF16 merged model: what the checkpoint says, and where the model answers.
 
-Parity is measured three ways over held-back conversations, teacher-forced: over every token (most
-of which are the user's text, where any two models differ), over the assistant turns only, and
-over the BF16 model's own greedy continuations of each prompt (does the checkpoint pick the token
-the BF16 model picked, on the BF16 model's path); and by decoding, as the share of prompts whose
-greedy continuation is identical. Both models may be streamed one layer at a time: the decoder runs
-once over all sequences and the head is applied in chunks, and decoding runs all prompts together
-so that each generated token costs one pass over the layers.
+Parity is measured over held-back conversations, teacher-forced: over every token (most of which
+are the user's text, where any two models differ), over the assistant turns only, and over the
+BF16 model's own greedy continuations of each prompt (does the checkpoint pick the token the BF16
+model picked, on the BF16 model's path, and the share of prompts where it picks every one of them:
+the share whose greedy continuation would come out identical). Only the BF16 model decodes, once,
+all prompts together, one pass over the layers per token; every model then runs its decoder once
+over all sequences (on a streamed model, one read of each layer) and the head is applied in chunks.
 """
 
 from __future__ import annotations
 
 import contextlib
-import json
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -25,6 +23,7 @@ from ..config import ParityReport
 from ..device import available_memory
 from ..errors import PipelineError
 from ..inputs.corpus import ParityExample
+from .task import TaskSet
 
 # Teacher-forced parity runs the decoder once over this many tokens at a time (one pass over a
 # streamed model's layers), then applies the output head to at most LOGITS_BYTES of logits at once.
@@ -71,20 +70,25 @@ def final_hidden_states(model: Any, sequences: list[list[int]]) -> list[torch.Te
 
     One run of the decoder per ``TOKENS_PER_PASS`` tokens: on a streamed model that is one read of
     every layer for the whole set, where computing logits batch by batch would take one per batch.
+    Sequences are batched shortest first, so that little of a pass is padding.
     """
     device = _device(model)
     decoder = model.get_decoder()
-    states: list[torch.Tensor] = []
-    batch: list[list[int]] = []
-    for i, seq in enumerate(sequences):
-        batch.append(seq)
-        last = i == len(sequences) - 1
-        if last or (len(batch) + 1) * max(len(s) for s in [*batch, sequences[i + 1]]) > TOKENS_PER_PASS:
-            ids, mask = _padded(batch, device)
+    states: list[torch.Tensor | None] = [None] * len(sequences)
+    order = sorted(range(len(sequences)), key=lambda i: len(sequences[i]))
+    batch: list[int] = []
+    for k, i in enumerate(order):
+        batch.append(i)
+        last = k == len(order) - 1
+        # Sorted: the next sequence is the longest the batch would hold.
+        if last or (len(batch) + 1) * len(sequences[order[k + 1]]) > TOKENS_PER_PASS:
+            ids, mask = _padded([sequences[j] for j in batch], device)
             hidden = decoder(input_ids=ids, attention_mask=mask, use_cache=False).last_hidden_state
-            states += [hidden[row, : len(s)] for row, s in enumerate(batch)]
+            for row, j in enumerate(batch):
+                states[j] = hidden[row, : len(sequences[j])]
             batch = []
-    return states
+    assert all(s is not None for s in states)
+    return states  # type: ignore[return-value]
 
 
 @contextlib.contextmanager
@@ -110,7 +114,8 @@ def _kv_bytes_per_token(model: Any) -> int:
     return int(config.num_hidden_layers) * width * next(model.parameters()).element_size()
 
 
-def _eos_ids(model: Any) -> set[int]:
+def end_of_turn(model: Any) -> set[int]:
+    """The tokens that end the model's turn (its generation config's end-of-sequence IDs)."""
     config = getattr(model, "generation_config", None) or model.config
     eos = getattr(config, "eos_token_id", None)
     if eos is None:
@@ -123,11 +128,12 @@ def greedy(model: Any, prompts: list[list[int]], n: int) -> list[list[int]]:
     """Each prompt's greedy continuation of ``n`` tokens (through the first end-of-turn token).
 
     Prompts are decoded together, left-padded, with a KV cache: one pass over the layers per
-    token for the whole batch, which is what makes decoding a streamed model affordable. The head
-    is applied here, to each row's last hidden state, and held for the whole decoding.
+    token for the whole batch, which is what makes decoding a streamed model affordable; decoding
+    stops once every prompt has ended its turn. The head is applied here, to each row's last hidden
+    state, and held for the whole decoding.
     """
     device = _device(model)
-    eos = _eos_ids(model)
+    eos = end_of_turn(model)
     decoder = model.get_decoder()
     results: list[list[int]] = []
     per_token = _kv_bytes_per_token(model)
@@ -149,12 +155,16 @@ def greedy(model: Any, prompts: list[list[int]], n: int) -> list[list[int]]:
             positions = (mask.cumsum(-1) - 1).clamp(min=0)
             out = decoder(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True)
             steps = []
+            ended = torch.zeros(len(chunk), dtype=torch.bool)
+            stops = torch.tensor(sorted(eos), dtype=torch.long)
             for step in range(n):
                 # A contiguous [batch, hidden]: a strided 3-D slice makes some CPU matmul kernels
                 # expand the whole head per row (gigabytes for a large vocabulary).
                 token = head(out.last_hidden_state[:, -1, :].contiguous()).argmax(-1)
                 steps.append(token)
-                if step == n - 1:
+                ended |= torch.isin(token.cpu(), stops)
+                # Every row has ended its turn: what follows would be cut off anyway.
+                if step == n - 1 or bool(ended.all()):
                     break
                 mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=-1)
                 positions = positions[:, -1:] + 1
@@ -210,14 +220,16 @@ def _positions(length: int, spans: list[tuple[int, int]]) -> torch.Tensor:
 @dataclass
 class Reference:
     """The BF16 model's side of parity, computed once for every candidate measured against it: its
-    greedy continuations of the held-back prompts and its final hidden states over the whole
-    conversations and over those continuations."""
+    greedy continuations of the held-back prompts, its final hidden states over the whole
+    conversations, over those continuations and over the adapter's task, and its task score."""
 
     model: Any
     examples: list[ParityExample]
     continuation_tokens: int
     expected: list[list[int]]
     states: list[torch.Tensor]
+    task: TaskSet | None = None
+    task_success: float = 0.0
 
     @property
     def prompts(self) -> list[list[int]]:
@@ -225,22 +237,30 @@ class Reference:
 
     @property
     def sequences(self) -> list[list[int]]:
+        """What each model's decoder runs over, teacher-forced, once: the held-back conversations,
+        the prompts with the BF16 model's continuations, the task's prompts with their answers."""
         continued = [p + c for p, c in zip(self.prompts, self.expected, strict=True)]
-        return [e.input_ids for e in self.examples] + continued
+        return [e.input_ids for e in self.examples] + continued + (self.task.sequences if self.task else [])
 
 
 def reference_of(
-    model: torch.nn.Module,
+    model: Any,
     examples: list[ParityExample],
     continuation_tokens: int,
     report: Callable[[float], None] = lambda f: None,
+    task: TaskSet | None = None,
 ) -> Reference:
+    """The BF16 model's greedy continuations of the held-back prompts (one run of the decoder per
+    token), then one teacher-forced run over everything candidates are compared on."""
     expected = greedy(model, [e.prompt_ids for e in examples], continuation_tokens)
     report(0.6)
-    continued = [e.prompt_ids + c for e, c in zip(examples, expected, strict=True)]
-    states = final_hidden_states(model, [e.input_ids for e in examples] + continued)
+    ref = Reference(model, examples, continuation_tokens, expected, [], task)
+    ref.states = final_hidden_states(model, ref.sequences)
+    if task is not None:
+        with output_head(model) as head:
+            ref.task_success = task.success(ref.states[2 * len(examples) :], head)
     report(1.0)
-    return Reference(model, examples, continuation_tokens, expected, states)
+    return ref
 
 
 def token_parity(
@@ -250,16 +270,30 @@ def token_parity(
     continuation_tokens: int,
     report: Callable[[float], None] = lambda f: None,
 ) -> ParityReport:
-    ref = reference_of(reference, examples, continuation_tokens, lambda f: report(0.45 * f))
-    return compare(ref, candidate, lambda f: report(0.45 + 0.55 * f))
+    ref = reference_of(reference, examples, continuation_tokens, lambda f: report(0.8 * f))
+    return compare(ref, candidate, lambda f: report(0.8 + 0.2 * f)).parity
 
 
-def compare(ref: Reference, candidate: torch.nn.Module, report: Callable[[float], None] = lambda f: None) -> ParityReport:
-    """``candidate`` against the BF16 model's ``ref``: teacher-forced over whole conversations, their
-    answers and the BF16 model's continuations, then by decoding."""
+@dataclass
+class Behaviour:
+    """A candidate against the BF16 model: parity, and its score on the adapter's task (None
+    without one)."""
+
+    parity: ParityReport
+    task_success: float | None
+
+
+def compare(ref: Reference, candidate: Any, report: Callable[[float], None] = lambda f: None) -> Behaviour:
+    """``candidate`` against the BF16 model's ``ref``, all teacher-forced in one run of the
+    candidate's decoder: over whole conversations, their answers and the BF16 model's continuations,
+    and on the adapter's task.
+
+    A candidate's greedy continuation is identical to the BF16 model's exactly when, fed that
+    continuation, it picks each of its tokens in turn: so the identical share needs no decoding.
+    """
     examples, prompts, expected = ref.examples, ref.prompts, ref.expected
     got_states = final_hidden_states(candidate, ref.sequences)
-    report(0.3)
+    report(0.8)
     ref_states = ref.states
     n = len(examples)
     selections: dict[str, list[tuple[int, torch.Tensor]]] = {"whole": [], "answers": [], "continuations": []}
@@ -270,6 +304,7 @@ def compare(ref: Reference, candidate: torch.nn.Module, report: Callable[[float]
     for i, (prompt, tokens) in enumerate(zip(prompts, expected, strict=True)):
         selections["continuations"].append((n + i, _positions(len(prompt) + len(tokens), [(len(prompt), len(prompt) + len(tokens))])))
     tallies = {name: _Tally() for name in selections}
+    chosen: dict[int, list[int]] = {}  # the candidate's top token on each continuation, in order
     config: Any = ref.model.config
     chunk = max(1, LOGITS_BYTES // (4 * int(config.vocab_size)))
     with output_head(ref.model) as reference_head, output_head(candidate) as candidate_head:
@@ -280,12 +315,13 @@ def compare(ref: Reference, candidate: torch.nn.Module, report: Callable[[float]
                     got_ref = reference_head(ref_states[index][part.to(ref_states[index].device)])
                     got = candidate_head(got_states[index][part.to(got_states[index].device)])
                     tallies[name].add(got_ref, got)
-    report(0.45)
-    got_continuations = greedy(candidate, prompts, ref.continuation_tokens)
+                    if name == "continuations":
+                        chosen.setdefault(index, []).extend(got.argmax(-1).tolist())
+        task = ref.task.success(got_states[2 * n :], candidate_head) if ref.task is not None else None
     report(1.0)
-    identical = sum(a == b for a, b in zip(expected, got_continuations, strict=True))
+    identical = sum(chosen.get(n + i, []) == tokens for i, tokens in enumerate(expected))
     whole, answers, continuations = tallies["whole"], tallies["answers"], tallies["continuations"]
-    return ParityReport(
+    parity = ParityReport(
         prompts=n,
         tokens=whole.tokens,
         top1_agreement=whole.top1,
@@ -298,33 +334,4 @@ def compare(ref: Reference, candidate: torch.nn.Module, report: Callable[[float]
         continuation_top1=continuations.top1,
         continuation_kl=continuations.mean_kl,
     )
-
-
-def task_success(
-    model: torch.nn.Module,
-    tokenizer: Any,
-    eval_file: Path,
-    report: Callable[[float], None] = lambda f: None,
-    limit: int = 50,
-) -> tuple[float, int]:
-    """Share of an adapter's evaluation prompts answered exactly as expected (greedy).
-
-    ``eval_file`` is JSONL of ``{"messages": [...], "expected": "..."}``; the answer is the
-    generated text up to the end of the turn, stripped.
-    """
-    rows = [json.loads(line) for line in eval_file.read_text().splitlines() if line.strip()][:limit]
-    if not rows:
-        return 0.0, 0
-    prompts, lengths = [], []
-    for row in rows:
-        prompt = tokenizer.apply_chat_template(row["messages"], tokenize=False, add_generation_prompt=True)
-        prompts.append(tokenizer(prompt, add_special_tokens=False)["input_ids"])
-        lengths.append(len(tokenizer(row["expected"], add_special_tokens=False)["input_ids"]) + 2)
-    # Greedy decoding is prefix-consistent: each row's answer is its first ``length`` tokens.
-    continuations = greedy(model, prompts, max(lengths))
-    hits = 0
-    for row, tokens, length in zip(rows, continuations, lengths, strict=True):
-        answer = tokenizer.decode(tokens[:length], skip_special_tokens=True)
-        hits += int(answer.strip() == row["expected"].strip())
-    report(1.0)
-    return hits / len(rows), len(rows)
+    return Behaviour(parity, task)

@@ -41,7 +41,7 @@ def retention(
         if not dequantized.holds_stored(name):
             continue
         b = merged.source.get(name, torch.float32, merged.device)
-        delta = merged.merged(name).float() - b
+        delta = merged.merged(name, base=b).float() - b  # the base read once
         dd = float((delta * delta).sum())
         if dd == 0.0:
             continue

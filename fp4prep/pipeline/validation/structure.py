@@ -45,16 +45,18 @@ def structure(directory: Path, fmt: Format, bf16_bytes: int) -> list[str]:
 
 
 def _check_module(source: TensorSource, names: set[str], module: str, fmt: Format, packed_name: str) -> float | None:
-    """One quantized module's tensors; its global weight scale where the format has one."""
-    packed = source.raw(f"{module}.{packed_name}")
+    """One quantized module's tensors; its global weight scale where the format has one. The packed
+    weights are checked from the files' headers (dtype, shape): only the scales are read."""
+    packed_key = f"{module}.{packed_name}"
+    packed_dtype, packed_shape = source.stored_dtype(packed_key), source.shape(packed_key)
     scale = source.raw(f"{module}.weight_scale")
     if fmt.e2m1:
-        if packed.dtype != torch.uint8:
-            raise PipelineError(f"{module}: FP4 weights stored as {packed.dtype}, not packed uint8")
-        if scale.shape[-1] * (fmt.block_size or 1) != packed.shape[-1] * 2:
-            raise PipelineError(f"{module}: {scale.shape[-1]} block scales for {packed.shape[-1] * 2} values")
-    elif packed.dtype != torch.float8_e4m3fn:
-        raise PipelineError(f"{module}: FP8 weights stored as {packed.dtype}")
+        if packed_dtype != torch.uint8:
+            raise PipelineError(f"{module}: FP4 weights stored as {packed_dtype}, not packed uint8")
+        if scale.shape[-1] * (fmt.block_size or 1) != packed_shape[-1] * 2:
+            raise PipelineError(f"{module}: {scale.shape[-1]} block scales for {packed_shape[-1] * 2} values")
+    elif packed_dtype != torch.float8_e4m3fn:
+        raise PipelineError(f"{module}: FP8 weights stored as {packed_dtype}")
     if fmt.block_scale == "e8m0":
         if torch.any(scale == 255):
             raise PipelineError(f"{module}: an E8M0 scale is NaN (255)")
