@@ -30,9 +30,9 @@ from .task import TaskSet
 TOKENS_PER_PASS = 16384
 LOGITS_BYTES = 64 << 20
 # Prompts are decoded together (each decoding step is one pass over a streamed model's layers), as
-# many as keep their KV cache, which grows with the model's depth, within this many bytes on a CPU
-# (small models, compute-bound steps) or a tenth of the free memory of a GPU (large models, whose
-# steps each read the whole model: fewer steps matter most).
+# many as keep their KV cache, which grows with the model's depth, within a tenth of the device's
+# free memory and at least this many bytes: every further batch of prompts decodes all its tokens
+# again, one more pass over the layers per token.
 KV_CACHE_BYTES = 128 << 20
 
 
@@ -137,9 +137,7 @@ def greedy(model: Any, prompts: list[list[int]], n: int) -> list[list[int]]:
     decoder = model.get_decoder()
     results: list[list[int]] = []
     per_token = _kv_bytes_per_token(model)
-    budget = KV_CACHE_BYTES
-    if device.type == "cuda":
-        budget = max(budget, available_memory(device) // 10)
+    budget = max(KV_CACHE_BYTES, available_memory(device) // 10)
     start = 0
     with output_head(model) as head, torch.no_grad():
         while start < len(prompts):
