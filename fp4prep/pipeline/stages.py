@@ -40,7 +40,8 @@ from .modelopt_ext import quantizers
 from .modelopt_ext.session import Session
 from .progress import Progress
 from .recipes import Recipe, recipe_for
-from .validation import gate, parity, reader, report, retention, structure, task
+from .validation import gate, parity, reader, report, retention, structure
+from .validation import task as task_mod
 from .workdir import WorkDir, fingerprint, opened
 
 logger = logging.getLogger(__name__)
@@ -118,9 +119,7 @@ def parity_reference(config: PipelineConfig) -> parity.Reference:
     adapter = load_adapter(config.adapter_dir) if config.adapter_dir else None
     merged = MergedWeights(TensorSource(config.base_dir), adapter, compute.dtype, compute.device)
     model = streaming.build(read_config(config.base_dir), merged, compute, config.base_dir)
-    eval_file = config.eval_file or _adapter_eval_file(config.adapter_dir)
-    task_set = task.load(eval_file, tokenizer, parity.end_of_turn(model)) if eval_file else None
-    return parity.reference_of(model, examples, config.continuation_tokens, task=task_set)
+    return parity.reference_of(model, examples, config.continuation_tokens, task=_task_set(config, tokenizer, model))
 
 
 def parity_of(config: PipelineConfig, checkpoint: Path, reference: parity.Reference | None = None) -> parity.Behaviour:
@@ -277,9 +276,14 @@ def _bf16_side(state: _Run, bf16_model: Any, report: Callable[[float], None]) ->
     """What the BF16 merged model does on the parity examples and the adapter's own task."""
     config = state.config
     assert state.corpus is not None
-    eval_file = config.eval_file or _adapter_eval_file(config.adapter_dir)
-    task_set = task.load(eval_file, state.tokenizer, parity.end_of_turn(bf16_model)) if eval_file else None
+    task_set = _task_set(config, state.tokenizer, bf16_model)
     return parity.reference_of(bf16_model, state.corpus.parity, config.continuation_tokens, report, task_set)
+
+
+def _task_set(config: PipelineConfig, tokenizer: Any, model: Any) -> task_mod.TaskSet | None:
+    """The adapter's evaluation prompts (``config.eval_file``, else the adapter's own), if any."""
+    eval_file = config.eval_file or _adapter_eval_file(config.adapter_dir)
+    return task_mod.load(eval_file, tokenizer, parity.end_of_turn(model)) if eval_file else None
 
 
 def _behaviour(
