@@ -187,7 +187,7 @@ def _quantize(state: _Run) -> None:
     assert state.calibrated is not None and state.corpus is not None
     with state.progress.stage("quantizing"):
         if not work.calibrated.is_file():
-            quantizers.share_fused_scales(state.model)
+            quantizers.share_fused_scales(state.model, state.merged)
             extra = {
                 "expert_tokens": state.calibrated.expert_tokens, "fold_factors": state.calibrated.factors,
                 "expert_gptq": state.calibrated.expert_gptq,
@@ -225,23 +225,26 @@ def _validate(state: _Run) -> PipelineResult:
         progress.update(0.1)
         # The BF16 merged model again, read from the base as the calibrated one was: merging is
         # cheap and deterministic, and a BF16 copy of a large base is not. Not the calibrated
-        # model's map (those weights are the checkpoint's when calibration changed them).
+        # model's map (those weights are the checkpoint's when calibration changed them). What of
+        # the adapter's change the checkpoint kept is measured as that model reads each tensor.
         assert state.source is not None
         merged = MergedWeights(state.source, state.adapter, compute.dtype, compute.device)
         dequantized = reader.DequantizedWeights(out, torch.float32, compute.device)
-        kept = retention.retention(merged, dequantized, state.calibrated.factors) if merged.targets() else None
-        progress.update(0.2)
+        kept_measure = retention.Retention(merged, dequantized, state.calibrated.factors) if merged.targets() else None
+        merged.watch = kept_measure.observe if kept_measure is not None else None
         bf16_model = streaming.build(read_config(config.base_dir), merged, compute, config.base_dir)
         profiles = serving.profiles_to_measure(recipe.name, config.serving_hardware)
         # The BF16 side once (its continuations, hidden states and task score), then each candidate:
         # the checkpoint as declared, and as the engine computes it on each profile that differs.
-        share = 0.8 / (len(profiles) + 2)
-        bf16 = _bf16_side(state, bf16_model, progress.sub(0.2, 0.2 + share))
-        measured = [_behaviour(bf16, candidate, progress.sub(0.2 + share, 0.2 + 2 * share))]
+        share = 0.9 / (len(profiles) + 2)
+        bf16 = _bf16_side(state, bf16_model, progress.sub(0.1, 0.1 + share))
+        merged.watch = None
+        kept = kept_measure.report() if kept_measure is not None else None
+        measured = [_behaviour(bf16, candidate, progress.sub(0.1 + share, 0.1 + 2 * share))]
         del candidate
         for i, (numerics, _) in enumerate(profiles, 2):
             there = reader.load(out, compute, numerics=numerics.key)
-            measured.append(_behaviour(bf16, there, progress.sub(0.2 + i * share, 0.2 + (i + 1) * share)))
+            measured.append(_behaviour(bf16, there, progress.sub(0.1 + i * share, 0.1 + (i + 1) * share)))
             del there
         del bf16_model, bf16
         (behaviour, task), thresholds = measured[0], config.thresholds or recipe.thresholds

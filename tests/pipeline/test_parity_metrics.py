@@ -11,7 +11,14 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from fp4prep.pipeline.inputs.corpus import ParityExample
-from fp4prep.pipeline.validation.parity import compare, greedy, reference_of, token_parity
+from fp4prep.pipeline.validation.parity import (
+    compare,
+    final_hidden_states,
+    greedy,
+    reference_of,
+    token_parity,
+    verified_greedy,
+)
 from fp4prep.pipeline.validation.task import TaskSet
 
 
@@ -31,7 +38,9 @@ def test_a_model_agrees_with_itself_and_a_damaged_copy_shows(llama_base: Path) -
     assert (same.prompts, same.tokens, same.answer_tokens) == (3, 3 * 39, 3 * 20)
     assert same.continuation_tokens <= 3 * 6  # greedy stops early only at an end-of-turn token
     assert (same.top1_agreement, same.answer_top1, same.continuation_top1, same.identical_greedy) == (1.0, 1.0, 1.0, 1.0)
-    assert same.mean_kl == same.answer_kl == same.continuation_kl == 0.0
+    # Zero but for float rounding: the reference's states come from the runs that found its
+    # continuations, batched with other sequences than the candidate's one run.
+    assert max(abs(same.mean_kl), abs(same.answer_kl), abs(same.continuation_kl)) < 1e-6
 
     damaged = copy.deepcopy(model)
     with torch.no_grad():
@@ -74,3 +83,33 @@ def test_teacher_forced_agreement_is_what_decoding_the_candidate_gives(llama_bas
     answered = [row[:4] for row in decoded]
     hits = sum(row[:3] == t and row[3] in tasks.end for row, t in zip(answered, tasks.answers, strict=True))
     assert 0 < hits < len(cases) and measured.task_success == hits / len(cases)
+
+
+def test_checking_guesses_finds_what_greedy_decoding_finds(llama_base: Path) -> None:
+    # The BF16 model's continuations come from checking guesses teacher-forced: whatever the guess,
+    # the continuation is the one decoding gives, a right guess takes one run of the decoder, and
+    # every run fixes at least one token.
+    model = AutoModelForCausalLM.from_pretrained(llama_base, dtype=torch.float32).eval()
+    vocab = model.config.vocab_size
+    generator = torch.Generator().manual_seed(4)
+    prompts = [torch.randint(0, vocab, (8 + k,), generator=generator).tolist() for k in range(5)]
+    decoded = greedy(model, prompts, 10)
+    noise = torch.randint(0, vocab, (5, 10), generator=generator).tolist()
+    guesses = {
+        "right": (decoded, 1),
+        # Right for three tokens, then wrong: more rounds, but fewer than one per token.
+        "half right": ([d[:3] + w[3:] for d, w in zip(decoded, noise, strict=True)], 9),
+        "wrong": (noise, 10),
+        "none": ([[] for _ in prompts], 10),
+    }
+    for name, (drafts, most) in guesses.items():
+        found = verified_greedy(model, prompts, drafts, 10, alongside=[prompts[0]])
+        assert found.tokens == decoded, name
+        assert 1 <= found.rounds <= most, (name, found.rounds)
+        # The states come with the continuation they checked, as one teacher-forced run gives them.
+        plain = final_hidden_states(model, [p + t for p, t in zip(prompts, decoded, strict=True)])
+        for got, want, p, t in zip(found.states, plain, prompts, decoded, strict=True):
+            assert got.shape[0] == len(p) + len(t) - 1
+            torch.testing.assert_close(got, want[: got.shape[0]], atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(found.alongside[0], plain[0][: len(prompts[0])], atol=1e-4, rtol=1e-4)
+    assert verified_greedy(model, prompts, decoded, 10).rounds == 1

@@ -6,6 +6,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import re
 from collections.abc import Iterator, Mapping, MutableMapping
 from pathlib import Path
@@ -46,6 +47,7 @@ class LazyWeights(Mapping[str, torch.Tensor]):
         self.state_dict: Mapping[str, torch.Tensor] | WrittenBack = {}
         self._last_layer: str | None = None
         self._read = 0
+        self._shapes_only: Mapping[str, torch.Size] | None = None
 
     def keep_written(self, directory: Path) -> WrittenBack:
         """From now on keep what is written back (weights a calibration changed: AWQ's smoothing,
@@ -53,6 +55,17 @@ class LazyWeights(Mapping[str, torch.Tensor]):
         store = WrittenBack(self, directory)
         self.state_dict = store
         return store
+
+    @contextlib.contextmanager
+    def shapes_only(self, shapes: Mapping[str, torch.Size]) -> Iterator[None]:
+        """Inside, each tensor reads as zeros of its shape in ``shapes`` and nothing is read or
+        computed: for a forward whose values are thrown away (ModelOpt's walk to find which
+        projections share an input), which would otherwise read the whole model."""
+        self._shapes_only = shapes
+        try:
+            yield
+        finally:
+            self._shapes_only = None
 
     def stored(self, name: str) -> torch.Tensor:
         raise NotImplementedError
@@ -65,6 +78,8 @@ class LazyWeights(Mapping[str, torch.Tensor]):
         return tensor
 
     def __getitem__(self, name: str) -> torch.Tensor:
+        if self._shapes_only is not None:
+            return torch.zeros(self._shapes_only[name], dtype=self.dtype, device=self.device)
         fused = self.names.fused.get(name)
         if isinstance(self.state_dict, WrittenBack) and self.state_dict.holds(name):
             tensor = self.state_dict.load(name)

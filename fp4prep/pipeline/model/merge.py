@@ -235,6 +235,8 @@ class MergedWeights(LazyWeights):
             self.updates.setdefault(update.target, []).append(update)
         self._replacements = replacements
         self._adapter = adapter
+        # Called with (stored name, base, merged) for each tensor the adapter changes, as it is merged.
+        self.watch: Callable[[str, torch.Tensor, torch.Tensor], None] | None = None
 
     def targets(self) -> list[str]:
         """The stored tensors the adapter changes (checkpoint names, one per expert where the
@@ -246,7 +248,10 @@ class MergedWeights(LazyWeights):
         base's tensor where the caller has already read it (BF16 values in any wider dtype)."""
         if name in self._replacements:
             assert self._adapter is not None
-            return self._adapter.read(self._replacements[name]).to(self.device, MERGED_DTYPE)
+            replaced = self._adapter.read(self._replacements[name]).to(self.device, MERGED_DTYPE)
+            if self.watch is not None:
+                self.watch(name, self.source.get(name, MERGED_DTYPE, self.device) if base is None else base, replaced)
+            return replaced
         weight = self.source.get(name, MERGED_DTYPE, self.device) if base is None else base.to(self.device, MERGED_DTYPE)
         updates = self.updates.get(name)
         if not updates:
@@ -254,7 +259,10 @@ class MergedWeights(LazyWeights):
         merged = weight.to(torch.float32)
         for update in updates:
             update.add_to(merged)
-        return merged.to(MERGED_DTYPE)
+        merged = merged.to(MERGED_DTYPE)
+        if self.watch is not None:
+            self.watch(name, weight, merged)
+        return merged
 
     def stored(self, name: str) -> torch.Tensor:
         return self.merged(name).to(self.dtype)

@@ -17,6 +17,7 @@ import torch
 from ..algorithms import mixed
 from ..device import Compute
 from ..formats import KEPT_BF16
+from ..model.lazy import LazyWeights
 from ..recipes import Recipe
 from . import backend
 from .session import METHOD
@@ -90,16 +91,21 @@ def declared_inputs_only(model: torch.nn.Module, recipe: Recipe) -> None:
                 module.disable()
 
 
-def share_fused_scales(model: torch.nn.Module) -> None:
+def share_fused_scales(model: torch.nn.Module, weights: LazyWeights | None = None) -> None:
     """Give fused groups (q/k/v, gate/up, each expert's gate/up) one global scale.
 
     Serving engines run these projections as one GEMM with one global scale; ModelOpt's export
     does this sharing too, and doing it before the fake-quant model is measured keeps that model
-    identical to what the checkpoint will hold.
+    identical to what the checkpoint will hold. ModelOpt finds the groups by a forward with every
+    quantizer off, watching which projections take the same input, and then works on the
+    quantizers' scales alone: where the model streams from ``weights``, that forward runs on zeros
+    of the weights' shapes instead of reading them.
     """
     from modelopt.torch.export.unified_export_hf import requantize_resmooth_fused_llm_layers
 
-    with torch.no_grad(), quiet():
+    shapes = {name: p.shape for name, p in model.named_parameters()}
+    zeros = weights.shapes_only(shapes) if weights is not None else contextlib.nullcontext()
+    with torch.no_grad(), quiet(), zeros:
         requantize_resmooth_fused_llm_layers(model)
     setattr(model, SHARED_MARK, True)
 
