@@ -131,9 +131,10 @@ def greedy(model: Any, prompts: list[list[int]], n: int) -> list[list[int]]:
     """Each prompt's greedy continuation of ``n`` tokens (through the first end-of-turn token).
 
     Prompts are decoded together, left-padded, with a KV cache: one pass over the layers per
-    token for the whole batch, which is what makes decoding a streamed model affordable; decoding
-    stops once every prompt has ended its turn. The head is applied here, to each row's last hidden
-    state, and held for the whole decoding.
+    token for the whole batch; decoding stops once every prompt has ended its turn. The head is
+    applied here, to each row's last hidden state, and held for the whole decoding. Validation
+    finds the BF16 model's continuations with ``verified_greedy`` (fewer passes); this is the plain
+    decoding the benchmarks and tests hold it and the teacher-forced figures to.
     """
     device = _device(model)
     eos = end_of_turn(model)
