@@ -259,7 +259,8 @@ def reference_of(
     prompts, drafts = [e.prompt_ids for e in examples], [draft(e) for e in examples]
     found = verified_greedy(model, prompts, drafts, continuation_tokens, fixed, lambda f: report(0.9 * f))
     n = len(examples)
-    ref = Reference(model, examples, continuation_tokens, found.tokens, found.alongside[:n] + found.states + found.alongside[n:], task)
+    states = found.alongside[:n] + found.states + found.alongside[n:]
+    ref = Reference(model, examples, continuation_tokens, found.tokens, states, task)
     if task is not None:
         with output_head(model) as head:
             ref.task_success = task.success(ref.states[2 * n :], head)
@@ -309,8 +310,9 @@ def verified_greedy(
     (made after a wrong token, and often right anyway). Every round fixes at least one token, so
     this takes at most ``n`` rounds, and one where every draft was right. The continuation is the
     one greedy decoding gives, up to the last-bit differences between computing a token with or
-    without a KV cache. ``alongside`` sequences run with the first round; their states come back too. ``report`` gets the share of
-    prompts finished after each round.
+    without a KV cache (a token once fixed stays fixed: a later round's batch shapes can't undo it).
+    ``alongside`` sequences run with the first round; their states come back too. ``report`` gets
+    the share of prompts finished after each round.
     """
     eos = end_of_turn(model)
     extra = list(alongside or [])
@@ -333,7 +335,7 @@ def verified_greedy(
             for (i, guess), h in zip(rows, hidden, strict=True):
                 p = len(prompts[i])
                 picks = head(h[p - 1 : p + len(guess)]).argmax(-1).tolist() if n else []
-                complete, got = _confirmed(picks, guess, eos, n)
+                complete, got = _confirmed(picks, guess, len(kept[i]), eos, n)
                 if i not in best or (complete, len(got)) > (best[i][0], len(best[i][1])):
                     best[i] = (complete, got, picks, h)
             for i, (complete, got, _, h) in best.items():
@@ -346,21 +348,23 @@ def verified_greedy(
             for i in pending:
                 _, got, picks, _ = best[i]
                 room = n - len(got)
-                options = [got + found for found in pool.after(prompts[i] + got, room)] + [got + picks[len(got) :][:room]]
+                options = [got + found for found in pool.after(prompts[i] + got, room)]
+                options.append(got + picks[len(got) :][:room])  # the round's own later picks
                 guesses[i] = [g for k, g in enumerate(options) if g not in options[:k]]
     assert all(t is not None for t in tokens) and all(s is not None for s in states)
     return Verified(tokens, states, extra_states, rounds)  # type: ignore[arg-type]
 
 
-def _confirmed(picks: list[int], guess: list[int], eos: set[int], n: int) -> tuple[bool, list[int]]:
-    """The picks a guess confirms (through the first that differs from it), and whether they make a
-    whole continuation (``n`` tokens, or ended by an end-of-turn token)."""
-    got: list[int] = []
-    for j, token in enumerate(picks):
-        got.append(token)
-        if token in eos or len(got) == n:
+def _confirmed(picks: list[int], guess: list[int], fixed: int, eos: set[int], n: int) -> tuple[bool, list[int]]:
+    """The tokens a guess confirms: its first ``fixed`` (confirmed in an earlier round), then the
+    picks through the first that differs from it; and whether they make a whole continuation
+    (``n`` tokens, or ended by an end-of-turn token)."""
+    got = guess[:fixed]
+    for j in range(fixed, len(picks)):
+        got.append(picks[j])
+        if picks[j] in eos or len(got) == n:
             return True, got
-        if j == len(guess) or guess[j] != token:
+        if j == len(guess) or guess[j] != picks[j]:
             break
     return n == 0, got
 
@@ -370,7 +374,7 @@ class _Continuations:
     repeats text seen before (its prompt, another prompt's answer), guesses at what comes next."""
 
     LOOKUP = 4
-    GUESSES = 3  # per source (the text itself, the sequences), from the longest runs found
+    GUESSES = 1  # per source (the text itself, the sequences), from the longest run found
 
     def __init__(self, sequences: list[list[int]]) -> None:
         self.sequences = sequences
@@ -387,7 +391,9 @@ class _Continuations:
 
     def after(self, text: list[int], room: int) -> list[list[int]]:
         """Up to ``room`` tokens that followed runs of ``text``'s last tokens, longest runs first:
-        a few guesses from ``text`` itself (a reply quotes its prompt), a few from the sequences."""
+        ``GUESSES`` from ``text`` itself (a reply quotes its prompt), as many from the sequences.
+        Each guess is a row of the next round, so a few: on a model no guess predicts (a random
+        one), every unfinished prompt costs that many rows per round."""
         found: list[list[int]] = []
         for sequences, index in (([text], self._indexed([text])), (self.sequences, self.index)):
             mine: list[list[int]] = []
