@@ -223,10 +223,8 @@ def _validate(state: _Run) -> PipelineResult:
         examples = state.corpus.parity[:1]
         reload_diff = parity.reload_difference(state.reload_reference, candidate, examples)
         progress.update(0.1)
-        # The BF16 merged model again, read from the base as the calibrated one was: merging is
-        # cheap and deterministic, and a BF16 copy of a large base is not. Not the calibrated
-        # model's map (those weights are the checkpoint's when calibration changed them). What of
-        # the adapter's change the checkpoint kept is measured as that model reads each tensor.
+        # The BF16 merged model again, merged from the base (cheap, deterministic; not the calibrated
+        # model's map, whose changed weights are the checkpoint's), retention measured as it reads.
         assert state.source is not None
         merged = MergedWeights(state.source, state.adapter, compute.dtype, compute.device)
         dequantized = reader.DequantizedWeights(out, torch.float32, compute.device)

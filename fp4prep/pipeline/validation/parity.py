@@ -26,6 +26,7 @@ from ..config import ParityReport
 from ..device import available_memory
 from ..errors import PipelineError
 from ..inputs.corpus import ParityExample
+from . import continuations
 from .task import TaskSet
 
 # Teacher-forced parity runs the decoder once over this many tokens at a time (one pass over a
@@ -256,7 +257,7 @@ def reference_of(
     over everything candidates are compared on, in as few runs of the decoder as ``verified_greedy``
     needs: the conversations and the task's answers run with its first round."""
     fixed = [e.input_ids for e in examples] + (task.sequences if task else [])
-    prompts, drafts = [e.prompt_ids for e in examples], [draft(e) for e in examples]
+    prompts, drafts = [e.prompt_ids for e in examples], [continuations.draft(e) for e in examples]
     found = verified_greedy(model, prompts, drafts, continuation_tokens, fixed, lambda f: report(0.9 * f))
     n = len(examples)
     states = found.alongside[:n] + found.states + found.alongside[n:]
@@ -268,28 +269,6 @@ def reference_of(
     return ref
 
 
-def draft(example: ParityExample) -> list[int]:
-    """A guess at the BF16 model's continuation of ``example``'s prompt: the answer it was held back
-    with (its last assistant turn, or the general text after the prompt)."""
-    if not example.answer_spans:
-        return []
-    start, end = example.answer_spans[-1]
-    return example.input_ids[start:end]
-
-
-@dataclass
-class Verified:
-    """What ``verified_greedy`` found: each prompt's continuation, the final hidden states over
-    prompt and continuation that predict it (``[len(prompt) + len(tokens) - 1, hidden]``), the
-    states of the sequences run alongside, and how many runs of the decoder it took."""
-
-    tokens: list[list[int]]
-    states: list[torch.Tensor]
-    alongside: list[torch.Tensor]
-    rounds: int
-
-
-@torch.no_grad()
 def verified_greedy(
     model: Any,
     prompts: list[list[int]],
@@ -297,117 +276,11 @@ def verified_greedy(
     n: int,
     alongside: list[list[int]] | None = None,
     report: Callable[[float], None] = lambda f: None,
-) -> Verified:
-    """Each prompt's greedy continuation of ``n`` tokens (through the first end-of-turn token),
-    found by checking guesses teacher-forced, with the states that checked it.
-
-    A round runs each unfinished prompt followed by each of its guesses (first its draft). The
-    model's pick after the prompt is its greedy token; each next pick is too as long as the guess
-    agreed with the picks before it. So a guess keeps the picks up to and including the first that
-    differs from it, and a prompt whose continuation is not complete runs again with new guesses:
-    the kept picks followed by what came after the same last tokens elsewhere (in its own prompt,
-    in the other prompts' continuations so far, in the drafts), and by the round's later picks
-    (made after a wrong token, and often right anyway). Every round fixes at least one token, so
-    this takes at most ``n`` rounds, and one where every draft was right. The continuation is the
-    one greedy decoding gives, up to the last-bit differences between computing a token with or
-    without a KV cache (a token once fixed stays fixed: a later round's batch shapes can't undo it).
-    ``alongside`` sequences run with the first round; their states come back too. ``report`` gets
-    the share of prompts finished after each round.
-    """
-    eos = end_of_turn(model)
-    extra = list(alongside or [])
-    tokens: list[list[int] | None] = [None] * len(prompts)
-    states: list[torch.Tensor | None] = [None] * len(prompts)
-    kept: list[list[int]] = [[] for _ in prompts]
-    guesses = [[list(d[:n])] for d in drafts]
-    pending = list(range(len(prompts)))
-    extra_states: list[torch.Tensor] = []
-    rounds = 0
-    with output_head(model) as head:
-        while pending or rounds == 0:
-            rows = [(i, guess) for i in pending for guess in guesses[i]]
-            hidden = final_hidden_states(model, extra + [prompts[i] + guess for i, guess in rows])
-            if rounds == 0:
-                extra_states, hidden = hidden[: len(extra)], hidden[len(extra) :]
-                extra = []
-            rounds += 1
-            best: dict[int, tuple[bool, list[int], list[int], torch.Tensor]] = {}
-            for (i, guess), h in zip(rows, hidden, strict=True):
-                p = len(prompts[i])
-                picks = head(h[p - 1 : p + len(guess)]).argmax(-1).tolist() if n else []
-                complete, got = _confirmed(picks, guess, len(kept[i]), eos, n)
-                if i not in best or (complete, len(got)) > (best[i][0], len(best[i][1])):
-                    best[i] = (complete, got, picks, h)
-            for i, (complete, got, _, h) in best.items():
-                kept[i] = got
-                if complete:
-                    tokens[i], states[i] = got, h[: len(prompts[i]) + len(got) - 1].clone()
-            pending = [i for i in pending if tokens[i] is None]
-            report(1 - len(pending) / max(1, len(prompts)))
-            pool = _Continuations([prompts[j] + (tokens[j] or kept[j]) for j in range(len(prompts))] + list(drafts))
-            for i in pending:
-                _, got, picks, _ = best[i]
-                room = n - len(got)
-                options = [got + found for found in pool.after(prompts[i] + got, room)]
-                options.append(got + picks[len(got) :][:room])  # the round's own later picks
-                guesses[i] = [g for k, g in enumerate(options) if g not in options[:k]]
-    assert all(t is not None for t in tokens) and all(s is not None for s in states)
-    return Verified(tokens, states, extra_states, rounds)  # type: ignore[arg-type]
-
-
-def _confirmed(picks: list[int], guess: list[int], fixed: int, eos: set[int], n: int) -> tuple[bool, list[int]]:
-    """The tokens a guess confirms: its first ``fixed`` (confirmed in an earlier round), then the
-    picks through the first that differs from it; and whether they make a whole continuation
-    (``n`` tokens, or ended by an end-of-turn token)."""
-    got = guess[:fixed]
-    for j in range(fixed, len(picks)):
-        got.append(picks[j])
-        if picks[j] in eos or len(got) == n:
-            return True, got
-        if j == len(guess) or guess[j] != picks[j]:
-            break
-    return n == 0, got
-
-
-class _Continuations:
-    """What followed each run of up to ``LOOKUP`` tokens in some sequences: where a continuation
-    repeats text seen before (its prompt, another prompt's answer), guesses at what comes next."""
-
-    LOOKUP = 4
-    GUESSES = 1  # per source (the text itself, the sequences), from the longest run found
-
-    def __init__(self, sequences: list[list[int]]) -> None:
-        self.sequences = sequences
-        self.index = self._indexed(sequences)
-
-    @classmethod
-    def _indexed(cls, sequences: list[list[int]]) -> dict[tuple[int, ...], list[tuple[int, int]]]:
-        index: dict[tuple[int, ...], list[tuple[int, int]]] = {}
-        for s, seq in enumerate(sequences):
-            for k in range(1, cls.LOOKUP + 1):
-                for start in range(len(seq) - k):  # something follows: the run can't be the very end
-                    index.setdefault(tuple(seq[start : start + k]), []).append((s, start + k))
-        return index
-
-    def after(self, text: list[int], room: int) -> list[list[int]]:
-        """Up to ``room`` tokens that followed runs of ``text``'s last tokens, longest runs first:
-        ``GUESSES`` from ``text`` itself (a reply quotes its prompt), as many from the sequences.
-        Each guess is a row of the next round, so a few: on a model no guess predicts (a random
-        one), every unfinished prompt costs that many rows per round."""
-        found: list[list[int]] = []
-        for sequences, index in (([text], self._indexed([text])), (self.sequences, self.index)):
-            mine: list[list[int]] = []
-            for k in range(min(self.LOOKUP, len(text)), 0, -1):
-                for s, at in index.get(tuple(text[-k:]), []):
-                    guess = sequences[s][at : at + room]
-                    if guess not in mine:
-                        mine.append(guess)
-                    if len(mine) == self.GUESSES:
-                        break
-                if len(mine) == self.GUESSES:
-                    break
-            found += mine
-        return found
+) -> continuations.Verified:
+    """``continuations.verified_greedy`` on ``model``, run and read as everything here is."""
+    return continuations.verified_greedy(
+        model, prompts, drafts, n, alongside, report, run=final_hidden_states, head_of=output_head, eos=end_of_turn(model)
+    )
 
 
 def token_parity(
