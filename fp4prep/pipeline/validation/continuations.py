@@ -126,41 +126,35 @@ def _confirmed(picks: list[int], guess: list[int], fixed: int, eos: set[int], n:
 
 
 class _Continuations:
-    """What followed each run of up to ``LOOKUP`` tokens in some sequences: where a continuation
-    repeats text seen before (its prompt, another prompt's answer), guesses at what comes next."""
+    """What first followed each run of up to ``LOOKUP`` tokens in some sequences: where a
+    continuation repeats text seen before (its prompt, another prompt's answer), a guess at what
+    comes next."""
 
     LOOKUP = 4
-    GUESSES = 1  # per source (the text itself, the sequences), from the longest run found
 
     def __init__(self, sequences: list[list[int]]) -> None:
         self.sequences = sequences
         self.index = self._indexed(sequences)
 
     @classmethod
-    def _indexed(cls, sequences: list[list[int]]) -> dict[tuple[int, ...], list[tuple[int, int]]]:
-        index: dict[tuple[int, ...], list[tuple[int, int]]] = {}
+    def _indexed(cls, sequences: list[list[int]]) -> dict[tuple[int, ...], tuple[int, int]]:
+        index: dict[tuple[int, ...], tuple[int, int]] = {}
         for s, seq in enumerate(sequences):
             for k in range(1, cls.LOOKUP + 1):
                 for start in range(len(seq) - k):  # something follows: the run can't be the very end
-                    index.setdefault(tuple(seq[start : start + k]), []).append((s, start + k))
+                    index.setdefault(tuple(seq[start : start + k]), (s, start + k))
         return index
 
     def after(self, text: list[int], room: int) -> list[list[int]]:
-        """Up to ``room`` tokens that followed runs of ``text``'s last tokens, longest runs first:
-        ``GUESSES`` from ``text`` itself (a reply quotes its prompt), as many from the sequences.
-        Each guess is a row of the next round, so a few: on a model no guess predicts (a random
-        one), every unfinished prompt costs that many rows per round."""
+        """Up to ``room`` tokens that followed the longest run of ``text``'s last tokens found, once
+        in ``text`` itself (a reply quotes its prompt) and once in the sequences. Each guess is a
+        row of the next round, so one per source: on a model no guess predicts (a random one),
+        every unfinished prompt costs that many rows per round."""
         found: list[list[int]] = []
         for sequences, index in (([text], self._indexed([text])), (self.sequences, self.index)):
-            mine: list[list[int]] = []
             for k in range(min(self.LOOKUP, len(text)), 0, -1):
-                for s, at in index.get(tuple(text[-k:]), []):
-                    guess = sequences[s][at : at + room]
-                    if guess not in mine:
-                        mine.append(guess)
-                    if len(mine) == self.GUESSES:
-                        break
-                if len(mine) == self.GUESSES:
+                if tuple(text[-k:]) in index:
+                    s, at = index[tuple(text[-k:])]
+                    found.append(sequences[s][at : at + room])
                     break
-            found += mine
         return found

@@ -76,10 +76,3 @@ class Retention:
             pooled=self.num / self.den, minimum=min(values), median=statistics.median(values),
             per_tensor=dict(sorted(self.per_tensor.items())),
         )
-
-
-def retention(
-    merged: MergedWeights, dequantized: DequantizedWeights, factors: Factors | None = None
-) -> RetentionReport | None:
-    """``Retention`` of every changed tensor, read here (where no model reads them anyway)."""
-    return Retention(merged, dequantized, factors).report()
