@@ -158,10 +158,14 @@ def _calibrate(state: _Run) -> None:
         state.corpus = _corpus(config, state.tokenizer, state.progress.sub(0.0, 0.1))
         work.claim(fingerprint(config, state.compute, state.corpus.stats.calibration_sha256))
         assert state.merged is not None
+        layers_name, modules = streaming.decoder_layers(state.model)
+        layers, done = len(modules), work.calibrated.is_file()
+        start = layers if done else work.resume_layer()
+        if not done:
+            work.forget_layers_from(start, layers_name)
         if state.recipe.mutates_weights:
             state.merged.keep_written(work.written)
-        layers = len(streaming.decoder_layers(state.model)[1])
-        if work.calibrated.is_file():
+        if done:
             saved = quantizers.restore(state.model, work.calibrated, state.compute)
             state.calibrated = Calibrated(
                 saved["expert_tokens"], saved.get("fold_factors", {}), saved.get("expert_gptq", {}),
@@ -170,7 +174,6 @@ def _calibrate(state: _Run) -> None:
             state.resumed_from = layers
             _note(config, f"Resuming: every layer was calibrated by an earlier run ({layers} layers)")
             return
-        start = work.resume_layer()
         if start:
             state.resumed_from = start
             _note(config, f"Resuming calibration at layer {start + 1} of {layers}: an earlier run finished layers 1-{start}")

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import re
 import shutil
 import tempfile
 from collections.abc import Iterator
@@ -64,6 +65,21 @@ class WorkDir:
 
         found = detect_resume_point(str(self.layer_checkpoints))
         return found[0] if found else 0
+
+    def forget_layers_from(self, start: int, layers_name: str) -> None:
+        """Drop what decoder layers ``start`` and after left behind without a committed checkpoint:
+        a layer cut short (an error in its steps, a cancel while its outputs were captured) may have
+        written back weights already folded, which a run calibrating it again must not start from,
+        and its step records would count twice."""
+        layer = re.compile(rf"^{re.escape(layers_name)}\.(\d+)\.")
+        for path in self.written.glob("*.safetensors"):
+            found = layer.match(path.name)
+            if found and int(found[1]) >= start:
+                path.unlink()
+        for path in self.fold_factors.glob("*"):
+            index = path.name.split(".", 1)[0]
+            if index.isdigit() and int(index) >= start:
+                path.unlink()
 
     def calibration_done(self) -> None:
         """Calibration is saved whole (``calibrated``): its per-layer state goes."""

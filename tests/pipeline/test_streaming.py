@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from fp4prep.pipeline import Cancelled, PipelineError, device
+from fp4prep.pipeline.errors import InternalError
 from fp4prep.pipeline.model.safetensors import TensorSource
 from fp4prep.pipeline.recipes import RECIPES, AwqSearch
 from tests.tiny import save_adapter, tiny_config
@@ -78,6 +79,19 @@ def checkpoint_bytes(directory: Path) -> dict[str, bytes]:
     }
 
 
+def six_layer_base(base: Path, tokenizer_dir: Path, arch: str = "llama") -> Path:
+    """A tiny random base deep enough that a run stopped halfway has finished layers to resume from."""
+    from transformers import AutoModelForCausalLM
+
+    config = tiny_config(arch)
+    config.num_hidden_layers = 6
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).save_pretrained(base)
+    for f in tokenizer_dir.iterdir():
+        (base / f.name).write_bytes(f.read_bytes())
+    return base
+
+
 @pytest.mark.parametrize(
     ("arch", "stage", "fraction"),
     [("llama", "calibrating", 0.5), ("glm4_moe", "calibrating", 0.5), ("mixtral", "calibrating", 0.5), ("llama", "exporting", 0.0)],
@@ -85,15 +99,7 @@ def checkpoint_bytes(directory: Path) -> dict[str, bytes]:
 def test_a_run_stopped_midway_resumes_and_writes_the_same_checkpoint_bytes(
     tmp_path: Path, tokenizer_dir: Path, calibration_file: Path, arch: str, stage: str, fraction: float
 ) -> None:
-    config = tiny_config(arch)
-    config.num_hidden_layers = 6
-    torch.manual_seed(0)
-    from transformers import AutoModelForCausalLM
-
-    base = tmp_path / "base"
-    AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).save_pretrained(base)
-    for f in tokenizer_dir.iterdir():
-        (base / f.name).write_bytes(f.read_bytes())
+    base = six_layer_base(tmp_path / "base", tokenizer_dir, arch)
     adapter = save_adapter(base, tmp_path / "adapter", targets=["q_proj", "o_proj"], b_scale=0.05)
     common: dict[str, Any] = {"adapter_dir": adapter, "calibration_file": calibration_file}
     if arch != "llama":  # the whole recipe on routed experts: their AWQ search and fold too
@@ -128,6 +134,39 @@ def test_a_run_stopped_midway_resumes_and_writes_the_same_checkpoint_bytes(
         assert all(kept == 0 and done > 0 for done, kept in straight.expert_gptq.values())
     assert resumed.parity == straight.parity and resumed.reload_max_logit_diff == 0.0
     assert list(work.iterdir()) == []  # a finished run leaves nothing to resume
+
+
+def test_a_layer_cut_short_is_calibrated_again_from_its_merged_weights(
+    tmp_path: Path, tokenizer_dir: Path, calibration_file: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # An error in layer 2's steps after its scales were folded into its weights: the folded weights
+    # are written back as the layer is put away, but no checkpoint commits the layer. The run that
+    # resumes calibrates layer 2 again from the merged weights, not from the folded ones.
+    base = six_layer_base(tmp_path / "base", tokenizer_dir)
+    adapter = save_adapter(base, tmp_path / "adapter", targets=["q_proj", "o_proj"], b_scale=0.05)
+    common: dict[str, Any] = {"adapter_dir": adapter, "calibration_file": calibration_file}
+    straight = run_tiny(base, tmp_path / "straight", **common)
+
+    from fp4prep.pipeline.algorithms import gptq
+
+    rounding = gptq.quantize_layer
+
+    def fails_on_layer_2(layer: torch.nn.Module, hessians: Any, prefix: str, *args: Any) -> Any:
+        if prefix.endswith(".2."):
+            raise RuntimeError("out of memory (simulated)")
+        return rounding(layer, hessians, prefix, *args)
+
+    monkeypatch.setattr(gptq, "quantize_layer", fails_on_layer_2)
+    work = tmp_path / "work"
+    with pytest.raises(InternalError, match="simulated"):
+        run_tiny(base, tmp_path / "resumed", work_dir=work, **common)
+    assert any(".layers.2." in p.name for p in (work / "written").iterdir())  # the folded weights
+    monkeypatch.setattr(gptq, "quantize_layer", rounding)
+
+    resumed = run_tiny(base, tmp_path / "resumed", work_dir=work, **common)
+    assert resumed.resumed_from_layer == 2
+    assert checkpoint_bytes(tmp_path / "resumed") == checkpoint_bytes(tmp_path / "straight")
+    assert resumed.parity == straight.parity
 
 
 def test_a_work_directory_from_other_inputs_is_not_resumed(
