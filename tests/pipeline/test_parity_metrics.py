@@ -7,10 +7,12 @@ from __future__ import annotations
 import copy
 from pathlib import Path
 
+import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
 from fp4prep.pipeline.inputs.corpus import ParityExample
+from fp4prep.pipeline.validation import prompt_cache
 from fp4prep.pipeline.validation.parity import (
     compare,
     final_hidden_states,
@@ -85,10 +87,16 @@ def test_teacher_forced_agreement_is_what_decoding_the_candidate_gives(llama_bas
     assert 0 < hits < len(cases) and measured.task_success == hits / len(cases)
 
 
-def test_checking_guesses_finds_what_greedy_decoding_finds(llama_base: Path) -> None:
+@pytest.mark.parametrize("cached", [True, False])
+def test_checking_guesses_finds_what_greedy_decoding_finds(
+    llama_base: Path, cached: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
     # The BF16 model's continuations come from checking guesses teacher-forced: whatever the guess,
     # the continuation is the one decoding gives, a right guess takes one run of the decoder, and
-    # every run fixes at least one token.
+    # every run fixes at least one token. Later rounds run the guesses alone after the prompts' kept
+    # keys and values, or (a model with sliding windows, a cache too big) prompt and guess again.
+    if not cached:
+        monkeypatch.setattr(prompt_cache, "full_attention", lambda config: False)
     model = AutoModelForCausalLM.from_pretrained(llama_base, dtype=torch.float32).eval()
     vocab = model.config.vocab_size
     generator = torch.Generator().manual_seed(4)
@@ -103,7 +111,8 @@ def test_checking_guesses_finds_what_greedy_decoding_finds(llama_base: Path) -> 
         "none": ([[] for _ in prompts], 10),
     }
     for name, (drafts, most) in guesses.items():
-        found = verified_greedy(model, prompts, drafts, 10, alongside=[prompts[0]])
+        # The first prompt with its first three tokens is a sequence run alongside: checked on it.
+        found = verified_greedy(model, prompts, drafts, 10, alongside=[prompts[0] + decoded[0][:3]])
         assert found.tokens == decoded, name
         assert 1 <= found.rounds <= most, (name, found.rounds)
         # The states come with the continuation they checked, as one teacher-forced run gives them.
@@ -111,5 +120,9 @@ def test_checking_guesses_finds_what_greedy_decoding_finds(llama_base: Path) -> 
         for got, want, p, t in zip(found.states, plain, prompts, decoded, strict=True):
             assert got.shape[0] == len(p) + len(t) - 1
             torch.testing.assert_close(got, want[: got.shape[0]], atol=1e-4, rtol=1e-4)
-        torch.testing.assert_close(found.alongside[0], plain[0][: len(prompts[0])], atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(found.alongside[0], plain[0][: len(prompts[0]) + 3], atol=1e-4, rtol=1e-4)
     assert verified_greedy(model, prompts, decoded, 10).rounds == 1
+    # As validation runs it: each prompt with its right guess is the start of a conversation run alongside.
+    conversations = [p + d + [0] for p, d in zip(prompts, decoded, strict=True)]
+    found = verified_greedy(model, prompts, decoded, 10, alongside=conversations)
+    assert found.tokens == decoded and found.rounds == 1

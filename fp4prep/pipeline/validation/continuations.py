@@ -53,7 +53,7 @@ def verified_greedy(
     alongside: list[list[int]] | None,
     report: Callable[[float], None],
     *,
-    run: Callable[[Any, list[list[int]]], list[torch.Tensor]],
+    runs: Any,
     head_of: Callable[[Any], contextlib.AbstractContextManager[Callable[[torch.Tensor], torch.Tensor]]],
     eos: set[int],
 ) -> Verified:
@@ -63,43 +63,57 @@ def verified_greedy(
     Every round fixes at least one token, so this takes at most ``n`` rounds, and one where every
     draft was right. The continuation is the one greedy decoding gives, up to the last-bit
     differences between computing a token with or without a KV cache (a token once fixed stays
-    fixed). ``alongside`` sequences run with the first round; their states come back too. ``run``
-    gives sequences' final hidden states, ``head_of`` holds the output head, ``eos`` end a turn.
+    fixed). ``alongside`` sequences run with the first round and their states come back too; a
+    prompt whose first guess one of them starts with is checked on that sequence's run. ``runs``
+    runs the model (``prompt_cache.Runs``: the first round, then the guesses after their prompts),
+    ``head_of`` holds the output head, ``eos`` end a turn.
     """
     extra = list(alongside or [])
     tokens: list[list[int] | None] = [None] * len(prompts)
     states: list[torch.Tensor | None] = [None] * len(prompts)
     kept: list[list[int]] = [[] for _ in prompts]
     guesses = [[list(d[:n])] for d in drafts]
-    pending = list(range(len(prompts)))
-    extra_states: list[torch.Tensor] = []
-    rounds = 0
+    first, source = _first_round(runs, prompts, [g[0] for g in guesses], extra)
+    base = [first[j][: len(p)] for j, p in zip(source, prompts, strict=True)]  # the prompts' states
+    pending, rounds = list(range(len(prompts))), 0
     with head_of(model) as head:
-        while pending or rounds == 0:
+        while pending:
             rows = [(i, guess) for i in pending for guess in guesses[i]]
-            hidden = run(model, extra + [prompts[i] + guess for i, guess in rows])
             if rounds == 0:
-                extra_states, hidden = hidden[: len(extra)], hidden[len(extra) :]
-                extra = []
+                hidden = [first[source[i]][len(prompts[i]) : len(prompts[i]) + len(g)] for i, g in rows]
+            else:
+                hidden = runs.then([(source[i], g) for i, g in rows])
             rounds += 1
             best: dict[int, tuple[bool, list[int], list[int], torch.Tensor]] = {}
             for (i, guess), h in zip(rows, hidden, strict=True):
-                p = len(prompts[i])
-                picks = head(h[p - 1 : p + len(guess)]).argmax(-1).tolist() if n else []
+                picks = head(torch.cat([base[i][-1:], h[: len(guess)]])).argmax(-1).tolist() if n else []
                 complete, got = _confirmed(picks, guess, len(kept[i]), eos, n)
                 if i not in best or (complete, len(got)) > (best[i][0], len(best[i][1])):
                     best[i] = (complete, got, picks, h)
             for i, (complete, got, _, h) in best.items():
                 kept[i] = got
                 if complete:
-                    tokens[i], states[i] = got, h[: len(prompts[i]) + len(got) - 1].clone()
+                    tokens[i], states[i] = got, torch.cat([base[i], h])[: len(prompts[i]) + len(got) - 1]
             pending = [i for i in pending if tokens[i] is None]
             report(1 - len(pending) / max(1, len(prompts)))
             pool = _Continuations([prompts[j] + (tokens[j] or kept[j]) for j in range(len(prompts))] + list(drafts))
             for i in pending:
                 guesses[i] = _guesses(pool, prompts[i], best[i][1], best[i][2], n)
     assert all(t is not None for t in tokens) and all(s is not None for s in states)
-    return Verified(tokens, states, extra_states, rounds)  # type: ignore[arg-type]
+    return Verified(tokens, states, first[: len(extra)], max(rounds, 1))  # type: ignore[arg-type]
+
+
+def _first_round(
+    runs: Any, prompts: list[list[int]], guesses: list[list[int]], extra: list[list[int]]
+) -> tuple[list[torch.Tensor], list[int]]:
+    """The first round's run: the ``extra`` sequences, and each prompt with its guess unless one of
+    them starts with both (a held-back conversation and its answer). Returns every sequence's states
+    and, per prompt, the index of the sequence it was checked on."""
+    found = [next((j for j, s in enumerate(extra) if s[: len(p) + len(g)] == p + g), None) for p, g in zip(prompts, guesses, strict=True)]
+    sequences = extra + [p + g for p, g, j in zip(prompts, guesses, found, strict=True) if j is None]
+    own = iter(range(len(extra), len(sequences)))
+    source = [next(own) if j is None else j for j in found]
+    return runs.first(sequences, {j: len(p) for j, p in zip(source, prompts, strict=True)}), source
 
 
 def _guesses(pool: _Continuations, prompt: list[int], got: list[int], picks: list[int], n: int) -> list[list[int]]:

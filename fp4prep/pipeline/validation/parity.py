@@ -27,6 +27,7 @@ from ..device import available_memory
 from ..errors import PipelineError
 from ..inputs.corpus import ParityExample
 from . import continuations
+from .prompt_cache import PromptCache, Runs
 from .task import TaskSet
 
 # Teacher-forced parity runs the decoder once over this many tokens at a time (one pass over a
@@ -69,12 +70,13 @@ def _padded(sequences: list[list[int]], device: torch.device, left: bool = False
 
 
 @torch.no_grad()
-def final_hidden_states(model: Any, sequences: list[list[int]]) -> list[torch.Tensor]:
+def final_hidden_states(model: Any, sequences: list[list[int]], cache: PromptCache | None = None) -> list[torch.Tensor]:
     """Each sequence's last hidden states (after the final norm), ``[len, hidden]``.
 
     One run of the decoder per ``TOKENS_PER_PASS`` tokens: on a streamed model that is one read of
     every layer for the whole set, where computing logits batch by batch would take one per batch.
-    Sequences are batched shortest first, so that little of a pass is padding.
+    Sequences are batched shortest first, so that little of a pass is padding. With ``cache``, the
+    keys and values of the prompts it keeps are kept too.
     """
     device = _device(model)
     decoder = model.get_decoder()
@@ -87,7 +89,11 @@ def final_hidden_states(model: Any, sequences: list[list[int]]) -> list[torch.Te
         # Sorted: the next sequence is the longest the batch would hold.
         if last or (len(batch) + 1) * len(sequences[order[k + 1]]) > TOKENS_PER_PASS:
             ids, mask = _padded([sequences[j] for j in batch], device)
-            hidden = decoder(input_ids=ids, attention_mask=mask, use_cache=False).last_hidden_state
+            if cache is not None:
+                cache.recording(batch, device)
+            hidden = decoder(
+                input_ids=ids, attention_mask=mask, cache=cache, use_cache=cache is not None
+            ).last_hidden_state
             for row, j in enumerate(batch):
                 states[j] = hidden[row, : len(sequences[j])]
             batch = []
@@ -278,8 +284,10 @@ def verified_greedy(
     report: Callable[[float], None] = lambda f: None,
 ) -> continuations.Verified:
     """``continuations.verified_greedy`` on ``model``, run and read as everything here is."""
+    budget = max(KV_CACHE_BYTES, available_memory(_device(model)) // 10)
+    runs = Runs(model, final_hidden_states, _kv_bytes_per_token(model), budget)
     return continuations.verified_greedy(
-        model, prompts, drafts, n, alongside, report, run=final_hidden_states, head_of=output_head, eos=end_of_turn(model)
+        model, prompts, drafts, n, alongside, report, runs=runs, head_of=output_head, eos=end_of_turn(model)
     )
 
 
