@@ -12,7 +12,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from fp4prep.pipeline.inputs.corpus import ParityExample
-from fp4prep.pipeline.validation import prompt_cache
+from fp4prep.pipeline.validation import parity, prompt_cache
 from fp4prep.pipeline.validation.parity import (
     compare,
     final_hidden_states,
@@ -87,16 +87,19 @@ def test_teacher_forced_agreement_is_what_decoding_the_candidate_gives(llama_bas
     assert 0 < hits < len(cases) and measured.task_success == hits / len(cases)
 
 
-@pytest.mark.parametrize("cached", [True, False])
+@pytest.mark.parametrize("runs", ["cached", "cached from several runs", "not cached"])
 def test_checking_guesses_finds_what_greedy_decoding_finds(
-    llama_base: Path, cached: bool, monkeypatch: pytest.MonkeyPatch
+    llama_base: Path, runs: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # The BF16 model's continuations come from checking guesses teacher-forced: whatever the guess,
     # the continuation is the one decoding gives, a right guess takes one run of the decoder, and
     # every run fixes at least one token. Later rounds run the guesses alone after the prompts' kept
-    # keys and values, or (a model with sliding windows, a cache too big) prompt and guess again.
-    if not cached:
+    # keys and values (kept from one run of the decoder, or from several when the first round is
+    # too long for one), or (a model with sliding windows, a cache too big) prompt and guess again.
+    if runs == "not cached":
         monkeypatch.setattr(prompt_cache, "full_attention", lambda config: False)
+    if runs == "cached from several runs":
+        monkeypatch.setattr(parity, "TOKENS_PER_PASS", 40)
     model = AutoModelForCausalLM.from_pretrained(llama_base, dtype=torch.float32).eval()
     vocab = model.config.vocab_size
     generator = torch.Generator().manual_seed(4)
