@@ -90,3 +90,11 @@ def test_help_names_the_seed_flags() -> None:
         "--calibration-file",
     ):
         assert flag in done.stdout
+
+
+def test_the_demo_takes_any_of_its_adapters_and_refuses_others() -> None:
+    done = fp4prep("demo", "--help")
+    assert done.returncode == 0 and "--task" in done.stdout and "orders" in done.stdout
+    refused = fp4prep("demo", "--task", "poetry")
+    assert refused.returncode == 2
+    assert "invalid choice: 'poetry'" in refused.stderr and "sentiment" in refused.stderr

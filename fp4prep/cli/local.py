@@ -144,7 +144,9 @@ def cmd_quantize(args: argparse.Namespace) -> int:
 def cmd_demo(args: argparse.Namespace) -> int:
     from fp4prep import demo
 
-    assets = demo.build(force=args.rebuild)
+    from fp4prep.demo_tasks import TASKS
+
+    assets = demo.build(force=args.rebuild, task=TASKS[args.task])
     args.model_id = assets.base_dir
     args.adapter_directory = assets.adapter_dir
     args.calibration_file = assets.calibration_file
@@ -153,7 +155,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
     args.calibration_tokens = 8192
     args.user_token_minimum = 4096
     if args.output_directory is None:
-        args.output_directory = Path("var") / f"demo-{args.quantization}"
+        suffix = "" if args.task == "sentiment" else f"-{args.task}"
+        args.output_directory = Path("var") / f"demo-{args.quantization}{suffix}"
     return cmd_quantize(args)
 
 
@@ -218,6 +221,10 @@ def add_commands(sub: Any) -> None:
     d = sub.add_parser("demo", help="build the embedded demo (SmolLM2-135M + LoRA) and quantize it")
     d.add_argument("--output-directory", type=Path, help="default var/demo-<quantization>")
     d.add_argument("--rebuild", action="store_true", help="rebuild the cached demo assets")
+    d.add_argument(
+        "--task", choices=("sentiment", "orders", "dates"), default="sentiment",
+        help="which demo adapter: sentiment labels (the default), JSON order extraction, ISO dates",
+    )
     _add_run_options(d)
     d.set_defaults(func=needs_pipeline(cmd_demo))
 
