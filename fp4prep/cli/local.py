@@ -143,7 +143,6 @@ def cmd_quantize(args: argparse.Namespace) -> int:
 
 def cmd_demo(args: argparse.Namespace) -> int:
     from fp4prep import demo
-
     from fp4prep.demo_tasks import TASKS
 
     assets = demo.build(force=args.rebuild, task=TASKS[args.task])
