@@ -13,6 +13,7 @@ import warnings
 from pathlib import Path
 from typing import Any
 
+from fp4prep.demo_tasks import TASKS
 from fp4prep.pipeline.recipes import RECIPES
 
 from . import exits
@@ -143,7 +144,6 @@ def cmd_quantize(args: argparse.Namespace) -> int:
 
 def cmd_demo(args: argparse.Namespace) -> int:
     from fp4prep import demo
-    from fp4prep.demo_tasks import TASKS
 
     assets = demo.build(force=args.rebuild, task=TASKS[args.task])
     args.model_id = assets.base_dir
@@ -218,10 +218,12 @@ def add_commands(sub: Any) -> None:
     q.set_defaults(func=needs_pipeline(cmd_quantize))
 
     d = sub.add_parser("demo", help="build the embedded demo (SmolLM2-135M + LoRA) and quantize it")
-    d.add_argument("--output-directory", type=Path, help="default var/demo-<quantization>")
+    d.add_argument(
+        "--output-directory", type=Path, help="default var/demo-<quantization>, var/demo-<quantization>-<task> for another task"
+    )
     d.add_argument("--rebuild", action="store_true", help="rebuild the cached demo assets")
     d.add_argument(
-        "--task", choices=("sentiment", "orders", "dates"), default="sentiment",
+        "--task", choices=sorted(TASKS), default="sentiment",
         help="which demo adapter: sentiment labels (the default), JSON order extraction, ISO dates",
     )
     _add_run_options(d)

@@ -98,8 +98,13 @@ def test_checking_guesses_finds_what_greedy_decoding_finds(
     # too long for one), or (a model with sliding windows, a cache too big) prompt and guess again.
     if runs == "not cached":
         monkeypatch.setattr(prompt_cache, "full_attention", lambda config: False)
+    recordings: list[list[int]] = []
     if runs == "cached from several runs":
         monkeypatch.setattr(parity, "TOKENS_PER_PASS", 40)
+        record = prompt_cache.PromptCache.recording
+        monkeypatch.setattr(
+            prompt_cache.PromptCache, "recording", lambda self, batch, device: (recordings.append(batch), record(self, batch, device))
+        )
     model = AutoModelForCausalLM.from_pretrained(llama_base, dtype=torch.float32).eval()
     vocab = model.config.vocab_size
     generator = torch.Generator().manual_seed(4)
@@ -115,8 +120,10 @@ def test_checking_guesses_finds_what_greedy_decoding_finds(
     }
     for name, (drafts, most) in guesses.items():
         # The first prompt with its first three tokens is a sequence run alongside: checked on it.
+        recordings.clear()
         found = verified_greedy(model, prompts, drafts, 10, alongside=[prompts[0] + decoded[0][:3]])
         assert found.tokens == decoded, name
+        assert (len(recordings) > 1) == (runs == "cached from several runs"), recordings
         assert 1 <= found.rounds <= most, (name, found.rounds)
         # The states come with the continuation they checked, as one teacher-forced run gives them.
         plain = final_hidden_states(model, [p + t for p, t in zip(prompts, decoded, strict=True)])

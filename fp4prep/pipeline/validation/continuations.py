@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from ..inputs.corpus import ParityExample
+from .prompt_cache import Runs
 
 
 def draft(example: ParityExample) -> list[int]:
@@ -53,7 +54,7 @@ def verified_greedy(
     alongside: list[list[int]] | None,
     report: Callable[[float], None],
     *,
-    runs: Any,
+    runs: Runs,
     head_of: Callable[[Any], contextlib.AbstractContextManager[Callable[[torch.Tensor], torch.Tensor]]],
     eos: set[int],
 ) -> Verified:
@@ -104,7 +105,7 @@ def verified_greedy(
 
 
 def _first_round(
-    runs: Any, prompts: list[list[int]], guesses: list[list[int]], extra: list[list[int]]
+    runs: Runs, prompts: list[list[int]], guesses: list[list[int]], extra: list[list[int]]
 ) -> tuple[list[torch.Tensor], list[int]]:
     """The first round's run: the ``extra`` sequences, and each prompt with its guess unless one of
     them starts with both (a held-back conversation and its answer). Returns every sequence's states

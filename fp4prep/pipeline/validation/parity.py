@@ -37,12 +37,17 @@ LOGITS_BYTES = 64 << 20
 # Prompts are decoded together (each decoding step is one pass over a streamed model's layers), as
 # many as keep their KV cache, which grows with the model's depth, within a tenth of the device's
 # free memory and at least this many bytes: every further batch of prompts decodes all its tokens
-# again, one more pass over the layers per token.
+# again, one more pass over the layers per token. Checking guesses keeps the prompts' keys and
+# values within the same budget, or runs the prompts again each round.
 KV_CACHE_BYTES = 128 << 20
 
 
 def _device(model: torch.nn.Module) -> torch.device:
     return next(model.parameters()).device
+
+
+def _kv_budget(model: Any) -> int:
+    return max(KV_CACHE_BYTES, available_memory(_device(model)) // 10)
 
 
 @torch.no_grad()
@@ -148,7 +153,7 @@ def greedy(model: Any, prompts: list[list[int]], n: int) -> list[list[int]]:
     decoder = model.get_decoder()
     results: list[list[int]] = []
     per_token = _kv_bytes_per_token(model)
-    budget = max(KV_CACHE_BYTES, available_memory(device) // 10)
+    budget = _kv_budget(model)
     start = 0
     with output_head(model) as head, torch.no_grad():
         while start < len(prompts):
@@ -284,8 +289,7 @@ def verified_greedy(
     report: Callable[[float], None] = lambda f: None,
 ) -> continuations.Verified:
     """``continuations.verified_greedy`` on ``model``, run and read as everything here is."""
-    budget = max(KV_CACHE_BYTES, available_memory(_device(model)) // 10)
-    runs = Runs(model, final_hidden_states, _kv_bytes_per_token(model), budget)
+    runs = Runs(model, final_hidden_states, _kv_bytes_per_token(model), _kv_budget(model))
     return continuations.verified_greedy(
         model, prompts, drafts, n, alongside, report, runs=runs, head_of=output_head, eos=end_of_turn(model)
     )

@@ -133,6 +133,7 @@ class Runs:
         self.model, self._run = model, run
         self.bytes_per_token, self.budget = bytes_per_token, budget
         self.cache: PromptCache | None = None
+        self.prompts: dict[int, list[int]] = {}  # by first-round sequence: the prompt it starts with
 
     def first(self, sequences: list[list[int]], keep: dict[int, int]) -> list[torch.Tensor]:
         """Every sequence's final hidden states; ``keep`` maps a sequence's index to the length of
