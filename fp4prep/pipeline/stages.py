@@ -31,6 +31,7 @@ from .calibrate import Calibrated, calibrate
 from .config import EVAL_FILE, ParityReport, PipelineConfig, PipelineResult, ServingReport, TaskReport
 from .errors import Cancelled, InternalError, PipelineError, UserError
 from .export import export, model_card
+from .export.reference import ReloadReference
 from .inputs import corpus as corpus_mod
 from .model import memory, streaming
 from .model.merge import Adapter, MergedWeights, load_adapter
@@ -67,7 +68,7 @@ class _Run:
     corpus: corpus_mod.Corpus | None = None
     calibrated: Calibrated | None = None
     resumed_from: int | None = None
-    reload_reference: list[torch.Tensor] | None = None
+    reload_reference: torch.Tensor | None = None
     reads: ReadTally | None = None
 
 
@@ -185,7 +186,7 @@ def _calibrate(state: _Run) -> None:
 
 def _quantize(state: _Run) -> None:
     """Fused projections share their global scales, the calibration is saved whole, and the
-    calibrated model's logits on one held-back example are kept for the reload check."""
+    quantizers compute as the checkpoint will."""
     work = state.work
     assert state.calibrated is not None and state.corpus is not None
     with state.progress.stage("quantizing"):
@@ -200,16 +201,23 @@ def _quantize(state: _Run) -> None:
             work.calibration_done()
         quantizers.declared_inputs_only(state.model, state.recipe)
         state.session.use_checkpoint_numerics(state.model)
-        examples = state.corpus.parity[:1]
-        state.reload_reference = [parity.logits(state.model, e.input_ids[:RELOAD_CHECK_TOKENS]) for e in examples]
 
 
 def _export(state: _Run) -> None:
+    """The checkpoint, and the calibrated model's logits on one held-back example for the reload
+    check, computed as export walks the layers (or by a forward of their own where a resumed run's
+    export was already done)."""
+    assert state.corpus is not None
+    example = state.corpus.parity[0].input_ids[:RELOAD_CHECK_TOKENS]
     with state.progress.stage("exporting"):
         if not state.work.exported_mark.is_file():
             shutil.rmtree(state.work.out, ignore_errors=True)
-            export(state.model, state.recipe, state.tokenizer, state.work.out)
+            walk = ReloadReference(state.model, example)
+            export(state.model, state.recipe, state.tokenizer, state.work.out, walk)
             state.work.exported_mark.touch()
+            state.reload_reference = walk.logits()
+        if state.reload_reference is None:
+            state.reload_reference = parity.logits(state.model, example)
         state.model = None
         gc.collect()
 
@@ -223,8 +231,7 @@ def _validate(state: _Run) -> PipelineResult:
     with progress.stage("validating"):
         checks = structure.structure(out, recipe.format, state.bf16_bytes)
         candidate = reader.load(out, compute)
-        examples = state.corpus.parity[:1]
-        reload_diff = parity.reload_difference(state.reload_reference, candidate, examples)
+        reload_diff = parity.reload_difference(state.reload_reference, candidate, state.corpus.parity[0].input_ids)
         progress.update(0.1)
         # The BF16 merged model again, merged from the base (cheap, deterministic; not the calibrated
         # model's map, whose changed weights are the checkpoint's), retention measured as it reads.

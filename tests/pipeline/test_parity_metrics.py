@@ -105,6 +105,9 @@ def test_checking_guesses_finds_what_greedy_decoding_finds(
         monkeypatch.setattr(
             prompt_cache.PromptCache, "recording", lambda self, batch, device: (recordings.append(batch), record(self, batch, device))
         )
+    later: list[list[int]] = []  # per round after the first, how many tokens each row ran
+    then = prompt_cache.Runs.then
+    monkeypatch.setattr(prompt_cache.Runs, "then", lambda self, rows: (later.append([len(t) for _, t in rows]), then(self, rows))[1])
     model = AutoModelForCausalLM.from_pretrained(llama_base, dtype=torch.float32).eval()
     vocab = model.config.vocab_size
     generator = torch.Generator().manual_seed(4)
@@ -121,10 +124,16 @@ def test_checking_guesses_finds_what_greedy_decoding_finds(
     for name, (drafts, most) in guesses.items():
         # The first prompt with its first three tokens is a sequence run alongside: checked on it.
         recordings.clear()
+        later.clear()
         found = verified_greedy(model, prompts, drafts, 10, alongside=[prompts[0] + decoded[0][:3]])
         assert found.tokens == decoded, name
         assert (len(recordings) > 1) == (runs == "cached from several runs"), recordings
         assert 1 <= found.rounds <= most, (name, found.rounds)
+        # A round runs only what is not confirmed yet: at least one token more each round, and all
+        # but the last confirmed one are kept (as keys and values, or run again with the prompt).
+        assert len(later) == found.rounds - 1
+        for r, lengths in enumerate(later, 1):
+            assert max(lengths) <= 10 - r + 1, (name, r, lengths)
         # The states come with the continuation they checked, as one teacher-forced run gives them.
         plain = final_hidden_states(model, [p + t for p, t in zip(prompts, decoded, strict=True)])
         for got, want, p, t in zip(found.states, plain, prompts, decoded, strict=True):

@@ -94,7 +94,9 @@ def six_layer_base(base: Path, tokenizer_dir: Path, arch: str = "llama") -> Path
 
 @pytest.mark.parametrize(
     ("arch", "stage", "fraction"),
-    [("llama", "calibrating", 0.5), ("glm4_moe", "calibrating", 0.5), ("mixtral", "calibrating", 0.5), ("llama", "exporting", 0.0)],
+    [("llama", "calibrating", 0.5), ("glm4_moe", "calibrating", 0.5), ("mixtral", "calibrating", 0.5), ("llama", "exporting", 0.0),
+     # Export done: the reload check's reference comes from a forward of its own, not export's walk.
+     ("llama", "validating", 0.0)],
 )
 def test_a_run_stopped_midway_resumes_and_writes_the_same_checkpoint_bytes(
     tmp_path: Path, tokenizer_dir: Path, calibration_file: Path, arch: str, stage: str, fraction: float

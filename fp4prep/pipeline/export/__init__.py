@@ -2,12 +2,14 @@
 
 Every format goes out through ModelOpt's unified Hugging Face export, streamed one decoder layer at
 a time; formats whose layout is compressed-tensors' (MXFP4: vLLM's ModelOpt loader does not take
-ModelOpt's own MXFP4 export) are then renamed into it (``compressed_tensors``). The lineage and the
+ModelOpt's own MXFP4 export) are then renamed into it (``compressed_tensors``). The calibrated
+model's logits for the reload check are computed in the same walk (``reference``). The lineage and the
 model card are written once the checkpoint passed validation (``model_card``).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 from pathlib import Path
 from typing import Any
@@ -19,22 +21,27 @@ from ..model.safetensors import Entry, SafetensorsFile, rewrite_safetensors
 from ..modelopt_ext.quantizers import quiet, sharing_done
 from ..recipes import Recipe
 from .compressed_tensors import to_compressed_tensors
+from .reference import ReloadReference
 
 # ModelOpt's streaming exporter buffers one shard in memory before writing it.
 SHARD_BYTES = 1 << 30
 
 
-def export(model: torch.nn.Module, recipe: Recipe, tokenizer: Any, output_dir: Path) -> None:
+def export(
+    model: torch.nn.Module, recipe: Recipe, tokenizer: Any, output_dir: Path, reference: ReloadReference | None = None
+) -> None:
     """ModelOpt's unified export, then our layout fix-ups and the tokenizer.
 
     On a model from ``streaming.build`` ModelOpt takes its streaming path: each decoder layer is
     materialized, quantized to its packed form and added to the current shard, then dropped. Where
-    the run already gave fused groups their shared scales, that walk is the only one.
+    the run already gave fused groups their shared scales, that walk is the only one; ``reference``
+    computes the reload check's logits in it.
     """
     from modelopt.torch.export import export_hf_checkpoint
 
     output_dir.mkdir(parents=True, exist_ok=True)
-    with torch.no_grad(), quiet(), sharing_done(model):
+    walk = reference.during_export() if reference is not None else contextlib.nullcontext()
+    with torch.no_grad(), quiet(), sharing_done(model), walk:
         export_hf_checkpoint(model, dtype=torch.bfloat16, export_dir=output_dir, max_shard_size=SHARD_BYTES)
     to_bf16(output_dir)
     tokenizer.save_pretrained(output_dir)

@@ -66,8 +66,8 @@ def verified_greedy(
     differences between computing a token with or without a KV cache (a token once fixed stays
     fixed). ``alongside`` sequences run with the first round and their states come back too; a
     prompt whose first guess one of them starts with is checked on that sequence's run. ``runs``
-    runs the model (``prompt_cache.Runs``: the first round, then the guesses after their prompts),
-    ``head_of`` holds the output head, ``eos`` end a turn.
+    runs the model (``prompt_cache.Runs``: the first round, then each guess's unconfirmed tokens
+    after its prompt and confirmed ones), ``head_of`` holds the output head, ``eos`` end a turn.
     """
     extra = list(alongside or [])
     tokens: list[list[int] | None] = [None] * len(prompts)
@@ -76,25 +76,29 @@ def verified_greedy(
     guesses = [[list(d[:n])] for d in drafts]
     first, source = _first_round(runs, prompts, [g[0] for g in guesses], extra)
     base = [first[j][: len(p)] for j, p in zip(source, prompts, strict=True)]  # the prompts' states
+    # Per prompt: how many confirmed tokens the runs hold (keys and values, or text), their states.
+    fed, known = [0] * len(prompts), [b[:0] for b in base]
     pending, rounds = list(range(len(prompts))), 0
     with head_of(model) as head:
         while pending:
             rows = [(i, guess) for i in pending for guess in guesses[i]]
-            if rounds == 0:
-                hidden = [first[source[i]][len(prompts[i]) : len(prompts[i]) + len(g)] for i, g in rows]
-            else:
-                hidden = runs.then([(source[i], g) for i, g in rows])
-            rounds += 1
-            best: dict[int, tuple[bool, list[int], list[int], torch.Tensor]] = {}
-            for (i, guess), h in zip(rows, hidden, strict=True):
-                picks = head(torch.cat([base[i][-1:], h[: len(guess)]])).argmax(-1).tolist() if n else []
+            hidden = _round_states(runs, first if rounds == 0 else None, rows, source, prompts, fed)
+            best: dict[int, tuple[bool, list[int], list[int], torch.Tensor, int]] = {}
+            for r, ((i, guess), h) in enumerate(zip(rows, hidden, strict=True)):
+                new, last = h[: len(guess) - fed[i]], (known[i] if fed[i] else base[i])[-1:]
+                picks = guess[: fed[i]] + head(torch.cat([last, new])).argmax(-1).tolist() if n else []
+                h = torch.cat([known[i], new])
                 complete, got = _confirmed(picks, guess, len(kept[i]), eos, n)
                 if i not in best or (complete, len(got)) > (best[i][0], len(best[i][1])):
-                    best[i] = (complete, got, picks, h)
-            for i, (complete, got, _, h) in best.items():
+                    best[i] = (complete, got, picks, h, r)
+            for i, (complete, got, _, h, r) in best.items():
                 kept[i] = got
                 if complete:
                     tokens[i], states[i] = got, torch.cat([base[i], h])[: len(prompts[i]) + len(got) - 1]
+                else:  # the row's tokens its picks confirmed, all but the last pick (not run yet)
+                    runs.confirm(source[i], got[fed[i] : len(got) - 1], None if rounds == 0 else r)
+                    fed[i], known[i] = len(got) - 1, h[: len(got) - 1]
+            rounds += 1
             pending = [i for i in pending if tokens[i] is None]
             report(1 - len(pending) / max(1, len(prompts)))
             pool = _Continuations([prompts[j] + (tokens[j] or kept[j]) for j in range(len(prompts))] + list(drafts))
@@ -104,17 +108,31 @@ def verified_greedy(
     return Verified(tokens, states, first[: len(extra)], max(rounds, 1))  # type: ignore[arg-type]
 
 
+def _round_states(
+    runs: Runs, first: list[torch.Tensor] | None, rows: list[tuple[int, list[int]]], source: list[int],
+    prompts: list[list[int]], fed: list[int],
+) -> list[torch.Tensor]:
+    """Each row's states over the tokens of its guess it runs: all of them, from the first round's
+    run (``first``), or those after the prompt's ``fed`` confirmed tokens, from a run of their own."""
+    if first is not None:
+        return [first[source[i]][len(prompts[i]) : len(prompts[i]) + len(g)] for i, g in rows]
+    return runs.then([(source[i], g[fed[i] :]) for i, g in rows])
+
+
 def _first_round(
     runs: Runs, prompts: list[list[int]], guesses: list[list[int]], extra: list[list[int]]
 ) -> tuple[list[torch.Tensor], list[int]]:
     """The first round's run: the ``extra`` sequences, and each prompt with its guess unless one of
     them starts with both (a held-back conversation and its answer). Returns every sequence's states
     and, per prompt, the index of the sequence it was checked on."""
-    found = [next((j for j, s in enumerate(extra) if s[: len(p) + len(g)] == p + g), None) for p, g in zip(prompts, guesses, strict=True)]
+    found: list[int | None] = []
+    for p, g in zip(prompts, guesses, strict=True):  # each sequence continues one prompt at most
+        found.append(next((j for j, s in enumerate(extra) if s[: len(p) + len(g)] == p + g and j not in found), None))
     sequences = extra + [p + g for p, g, j in zip(prompts, guesses, found, strict=True) if j is None]
     own = iter(range(len(extra), len(sequences)))
     source = [next(own) if j is None else j for j in found]
-    return runs.first(sequences, {j: len(p) for j, p in zip(source, prompts, strict=True)}), source
+    keep = {j: (len(p), len(p) + len(g)) for j, p, g in zip(source, prompts, guesses, strict=True)}
+    return runs.first(sequences, keep), source
 
 
 def _guesses(pool: _Continuations, prompt: list[int], got: list[int], picks: list[int], n: int) -> list[list[int]]:

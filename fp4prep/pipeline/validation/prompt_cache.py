@@ -1,11 +1,13 @@
-"""The keys and values of the prompts whose continuations are being checked, kept from the first
-run of the decoder so that later runs compute only the guesses.
+"""The keys and values of the prompts whose continuations are being checked, and of the tokens
+confirmed after them, kept so that each round of checking computes only what it has not confirmed.
 
 The first round of checking runs every prompt with a guess (or a longer sequence that starts with
 it); the attention layers then hand their keys and values to this cache, which keeps the rows of
-those prompts, prompt tokens only, and gives them back unchanged. A later round runs each guess
-alone after its prompt's kept keys: its attention sees the prompt's keys, then its own. Rows of
-different lengths are padded, and the padding masked, so any prompt continues from any row.
+those prompts (prompt and guess) and counts the prompt as kept. After each round, the tokens a
+guess got confirmed are kept too: from the first run's rows, or from the later round's own keys and
+values, which the layers hold until then. A later round runs each guess's unconfirmed tokens alone
+after its prompt's kept keys. Rows of different lengths are padded, and the padding masked, so any
+prompt continues from any row.
 """
 
 from __future__ import annotations
@@ -20,18 +22,19 @@ from transformers.cache_utils import Cache, DynamicLayer
 class PromptCache(Cache):
     """Kept keys and values, one slot per prompt, every attention layer.
 
-    ``keep`` maps the index of each sequence to keep to its prompt's length. ``recording(batch)``
-    before a run of the decoder over the sequences ``batch`` (indices, one per row) keeps the rows
-    of those sequences, each in its own slot (``slot_of``); ``reading(slots)`` before a run that
-    continues the prompts kept in ``slots``, one per row.
+    ``keep`` maps the index of each sequence to keep to its prompt's length and how many of its
+    first tokens to record. ``recording(batch)`` before a run of the decoder over the sequences
+    ``batch`` (indices, one per row) records the rows of those sequences, each in its own slot
+    (``slot_of``), its prompt kept; ``reading(slots)`` before a run that continues the tokens kept
+    in ``slots``, one per row; ``extend`` keeps more of a slot's tokens after either.
     """
 
-    def __init__(self, layers: int, keep: dict[int, int]) -> None:
+    def __init__(self, layers: int, keep: dict[int, tuple[int, int]]) -> None:
         self.kept = [_Layer(self) for _ in range(layers)]
         super().__init__(layers=list(self.kept))
         self.keep = keep
         self.slot_of: dict[int, int] = {}
-        self.lengths: list[int] = []  # each slot's prompt length
+        self.lengths: list[int] = []  # each slot's kept tokens
         self.record: tuple[torch.Tensor, int] | None = None
         self.read: torch.Tensor | None = None
 
@@ -39,8 +42,8 @@ class PromptCache(Cache):
         rows = [row for row, index in enumerate(batch) if index in self.keep]
         for row in rows:
             self.slot_of[batch[row]] = len(self.lengths)
-            self.lengths.append(self.keep[batch[row]])
-        longest = max((self.keep[batch[row]] for row in rows), default=0)
+            self.lengths.append(self.keep[batch[row]][0])
+        longest = max((self.keep[batch[row]][1] for row in rows), default=0)
         self.record = (torch.tensor(rows, dtype=torch.long, device=device), longest)
         self.read = None
 
@@ -49,6 +52,17 @@ class PromptCache(Cache):
             layer.seal()
         self.record = None
         self.read = torch.tensor(slots, dtype=torch.long, device=device)
+
+    def extend(self, slot: int, count: int, row: int | None) -> None:
+        """Keep ``count`` more tokens in ``slot``: the next of its first run's recorded row
+        (``row`` None), or the first of row ``row`` of the last reading run."""
+        if count <= 0:
+            return
+        for layer in self.kept:
+            layer.seal()
+            if row is not None:
+                layer.place(slot, self.lengths[slot], row, count)
+        self.lengths[slot] += count
 
     def width(self) -> int:
         return self.kept[0].get_seq_length() if self.kept else 0
@@ -60,6 +74,7 @@ class _Layer(DynamicLayer):
         self.owner = owner
         self.parts: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.held: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.last: tuple[torch.Tensor, torch.Tensor] | None = None  # the last reading run's own
 
     def update(
         self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
@@ -71,6 +86,7 @@ class _Layer(DynamicLayer):
                 self.parts.append((key_states[rows, :, :length], value_states[rows, :, :length]))
             return key_states, value_states
         assert owner.read is not None and self.held is not None
+        self.last = (key_states, value_states)
         keys, values = self.held
         return (
             torch.cat([keys.index_select(0, owner.read), key_states], dim=-2),
@@ -83,18 +99,29 @@ class _Layer(DynamicLayer):
         if not self.parts:
             return
         parts = ([self.held] if self.held is not None else []) + self.parts
-        width = max(k.shape[-2] for k, _ in parts)
-
-        def pad(t: torch.Tensor) -> torch.Tensor:
-            return torch.nn.functional.pad(t, (0, 0, 0, width - t.shape[-2]))
-
-        self.held = (torch.cat([pad(k) for k, _ in parts]), torch.cat([pad(v) for _, v in parts]))
+        self.held = _padded([k for k, _ in parts]), _padded([v for _, v in parts])
         self.parts = []
+
+    def place(self, slot: int, at: int, row: int, count: int) -> None:
+        """Row ``row``'s first ``count`` keys and values of the last reading run, into ``slot`` at
+        position ``at`` (the held tensors widened where they end sooner)."""
+        assert self.held is not None and self.last is not None
+        if self.held[0].shape[-2] < at + count:
+            self.held = _padded([self.held[0]], at + count), _padded([self.held[1]], at + count)
+        for held, new in zip(self.held, self.last, strict=True):
+            held[slot, :, at : at + count] = new[row, :, :count]
 
     def get_seq_length(self) -> int:
         if self.owner.record is not None or self.held is None:
             return 0
         return int(self.held[0].shape[-2])
+
+
+def _padded(parts: list[torch.Tensor], width: int = 0) -> torch.Tensor:
+    """``parts`` stacked along the first dimension, each padded along the token dimension to the
+    widest (or ``width``)."""
+    width = max([width] + [t.shape[-2] for t in parts])
+    return torch.cat([torch.nn.functional.pad(t, (0, 0, 0, width - t.shape[-2])) for t in parts])
 
 
 @torch.no_grad()
@@ -125,32 +152,39 @@ def continue_prompts(model: Any, cache: PromptCache, rows: list[tuple[int, list[
 
 class Runs:
     """How the checking rounds run a model: the first over whole sequences (``run``), keeping the
-    prompts' keys and values where they fit in ``budget`` bytes and the model attends to its whole
-    context in every layer; later rounds over the guesses alone after them, or, without a cache,
-    over prompt and guess again."""
+    prompts' and the guesses' keys and values where they fit in ``budget`` bytes and the model
+    attends to its whole context in every layer; later rounds over the unconfirmed tokens alone
+    after them, or, without a cache, over prompt, confirmed tokens and guess again."""
 
     def __init__(self, model: Any, run: Callable[..., list[torch.Tensor]], bytes_per_token: int, budget: int) -> None:
         self.model, self._run = model, run
         self.bytes_per_token, self.budget = bytes_per_token, budget
         self.cache: PromptCache | None = None
-        self.prompts: dict[int, list[int]] = {}  # by first-round sequence: the prompt it starts with
+        self.prompts: dict[int, list[int]] = {}  # by first-round sequence: what later rounds continue
 
-    def first(self, sequences: list[list[int]], keep: dict[int, int]) -> list[torch.Tensor]:
+    def first(self, sequences: list[list[int]], keep: dict[int, tuple[int, int]]) -> list[torch.Tensor]:
         """Every sequence's final hidden states; ``keep`` maps a sequence's index to the length of
-        the prompt it starts with, which later rounds continue."""
-        held = len(keep) * max(keep.values(), default=0) * self.bytes_per_token
+        the prompt it starts with, which later rounds continue, and of the prompt and guess."""
+        held = len(keep) * max((n for _, n in keep.values()), default=0) * self.bytes_per_token
         if held <= self.budget and full_attention(self.model.config):
             self.cache = PromptCache(int(self.model.config.num_hidden_layers), keep)
-        self.prompts = {j: sequences[j][:length] for j, length in keep.items()}
+        self.prompts = {j: sequences[j][:length] for j, (length, _) in keep.items()}
         return self._run(self.model, sequences, self.cache)
 
     def then(self, rows: list[tuple[int, list[int]]]) -> list[torch.Tensor]:
-        """For each ``(j, tokens)``: the final hidden states of ``tokens`` run after the prompt the
-        first round's sequence ``j`` starts with."""
+        """For each ``(j, tokens)``: the final hidden states of ``tokens`` run after what the first
+        round's sequence ``j`` has confirmed (its prompt, then what ``confirm`` added)."""
         if self.cache is not None:
             return continue_prompts(self.model, self.cache, [(self.cache.slot_of[j], t) for j, t in rows])
         states = self._run(self.model, [self.prompts[j] + t for j, t in rows], None)
         return [s[len(self.prompts[j]) :] for (j, _), s in zip(rows, states, strict=True)]
+
+    def confirm(self, j: int, tokens: list[int], row: int | None) -> None:
+        """Sequence ``j`` continues with ``tokens`` too: the next of its first-round guess (``row``
+        None), or the first of row ``row`` of the last round's run."""
+        self.prompts[j] = self.prompts[j] + tokens
+        if self.cache is not None:
+            self.cache.extend(self.cache.slot_of[j], len(tokens), row)
 
 
 def full_attention(config: Any) -> bool:
