@@ -145,3 +145,20 @@ def test_checking_guesses_finds_what_greedy_decoding_finds(
     conversations = [p + d + [0] for p, d in zip(prompts, decoded, strict=True)]
     found = verified_greedy(model, prompts, decoded, 10, alongside=conversations)
     assert found.tokens == decoded and found.rounds == 1
+
+
+def test_a_sequence_that_starts_another_is_read_off_that_ones_run(llama_base: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # A candidate runs the prompts with the BF16 model's continuations; where a continuation is the
+    # held-back answer, that sequence starts its conversation, and its states are the conversation's.
+    model = AutoModelForCausalLM.from_pretrained(llama_base, dtype=torch.float32).eval()
+    ids = torch.randint(0, model.config.vocab_size, (2, 20), generator=torch.Generator().manual_seed(5)).tolist()
+    a, b = ids
+    sequences = [a[:8], a, b[:8], a[:8], b[:12], a[:3] + b[:4]]
+    plain = final_hidden_states(model, sequences)
+    ran: list[list[list[int]]] = []
+    monkeypatch.setattr(parity, "final_hidden_states", lambda m, s: (ran.append(s), final_hidden_states(m, s))[1])
+    states = parity.prefix_states(model, sequences)
+    assert ran == [[a, b[:12], a[:3] + b[:4]]]  # the longest of each family, once
+    for got, want in zip(states, plain, strict=True):
+        assert got.shape == want.shape
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)

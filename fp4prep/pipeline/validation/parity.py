@@ -106,6 +106,19 @@ def final_hidden_states(model: Any, sequences: list[list[int]], cache: PromptCac
     return states  # type: ignore[return-value]
 
 
+def prefix_states(model: Any, sequences: list[list[int]]) -> list[torch.Tensor]:
+    """``final_hidden_states`` of each sequence, those that start a longer one (a prompt and the
+    held-back answer the BF16 model gave again, within its conversation) read off that one's run:
+    states depend only on the tokens before them."""
+    owner = [
+        min(range(len(sequences)), key=lambda j: (sequences[j][: len(s)] != s, -len(sequences[j]), j))
+        for s in sequences
+    ]
+    run = sorted(set(owner))
+    states = dict(zip(run, final_hidden_states(model, [sequences[j] for j in run]), strict=True))
+    return [states[j][: len(s)] for j, s in zip(owner, sequences, strict=True)]
+
+
 @contextlib.contextmanager
 def output_head(model: Any) -> Iterator[Callable[[torch.Tensor], torch.Tensor]]:
     """The model's output head as a function of final hidden states (logits in float32, on the CPU),
@@ -320,7 +333,7 @@ def compare(ref: Reference, candidate: Any, report: Callable[[float], None] = la
     continuation, it picks each of its tokens in turn: so the identical share needs no decoding.
     """
     examples, prompts, expected = ref.examples, ref.prompts, ref.expected
-    got_states = final_hidden_states(candidate, ref.sequences)
+    got_states = prefix_states(candidate, ref.sequences)
     report(0.8)
     ref_states = ref.states
     n = len(examples)
