@@ -211,15 +211,22 @@ def _export(state: _Run) -> None:
     example = state.corpus.parity[0].input_ids[:RELOAD_CHECK_TOKENS]
     with state.progress.stage("exporting"):
         if not state.work.exported_mark.is_file():
-            shutil.rmtree(state.work.out, ignore_errors=True)
-            walk = ReloadReference(state.model, example)
-            export(state.model, state.recipe, state.tokenizer, state.work.out, walk)
-            state.work.exported_mark.touch()
-            state.reload_reference = walk.logits()
+            state.reload_reference = _write_checkpoint(state, example)
         if state.reload_reference is None:
             state.reload_reference = parity.logits(state.model, example)
         state.model = None
         gc.collect()
+
+
+def _write_checkpoint(state: _Run, example: list[int]) -> torch.Tensor | None:
+    """The export, and the reload check's reference computed in its walk. Nothing here outlives the
+    call: the calibrated model must be unreferenced when the export is done, for the collection
+    that frees it (its offload hooks make cycles)."""
+    shutil.rmtree(state.work.out, ignore_errors=True)
+    walk = ReloadReference(state.model, example)
+    export(state.model, state.recipe, state.tokenizer, state.work.out, walk)
+    state.work.exported_mark.touch()
+    return walk.logits()
 
 
 def _validate(state: _Run) -> PipelineResult:
