@@ -337,27 +337,32 @@ def compare(ref: Reference, candidate: Any, report: Callable[[float], None] = la
     report(0.8)
     ref_states = ref.states
     n = len(examples)
-    selections: dict[str, list[tuple[int, torch.Tensor]]] = {"whole": [], "answers": [], "continuations": []}
+    # Per sequence, the positions each tally reads: an assistant turn's are among its conversation's,
+    # so the heads run once per position whatever reads it.
+    wanted: dict[int, dict[str, torch.Tensor]] = {}
     for i, e in enumerate(examples):
         length = len(e.input_ids)
-        selections["whole"].append((i, torch.arange(length - 1)))
-        selections["answers"].append((i, _positions(length, e.answer_spans)))
+        wanted[i] = {"whole": torch.arange(length - 1), "answers": _positions(length, e.answer_spans)}
     for i, (prompt, tokens) in enumerate(zip(prompts, expected, strict=True)):
-        selections["continuations"].append((n + i, _positions(len(prompt) + len(tokens), [(len(prompt), len(prompt) + len(tokens))])))
-    tallies = {name: _Tally() for name in selections}
+        wanted[n + i] = {"continuations": _positions(len(prompt) + len(tokens), [(len(prompt), len(prompt) + len(tokens))])}
+    tallies = {name: _Tally() for name in ("whole", "answers", "continuations")}
     chosen: dict[int, list[int]] = {}  # the candidate's top token on each continuation, in order
     config: Any = ref.model.config
     chunk = max(1, LOGITS_BYTES // (4 * int(config.vocab_size)))
     with output_head(ref.model) as reference_head, output_head(candidate) as candidate_head:
-        for name, picks in selections.items():
-            for index, rows in picks:
-                for start in range(0, len(rows), chunk):
-                    part = rows[start : start + chunk]
-                    got_ref = reference_head(ref_states[index][part.to(ref_states[index].device)])
-                    got = candidate_head(got_states[index][part.to(got_states[index].device)])
-                    tallies[name].add(got_ref, got)
+        for index, reads in wanted.items():
+            rows = torch.unique(torch.cat(list(reads.values())))  # sorted, as each tally's are
+            for start in range(0, len(rows), chunk):
+                part = rows[start : start + chunk]
+                got_ref = reference_head(ref_states[index][part.to(ref_states[index].device)])
+                got = candidate_head(got_states[index][part.to(got_states[index].device)])
+                for name, positions in reads.items():
+                    pick = torch.isin(part, positions)
+                    if not bool(pick.any()):
+                        continue
+                    tallies[name].add(got_ref[pick], got[pick])
                     if name == "continuations":
-                        chosen.setdefault(index, []).extend(got.argmax(-1).tolist())
+                        chosen.setdefault(index, []).extend(got[pick].argmax(-1).tolist())
         task = ref.task.success(got_states[2 * n :], candidate_head) if ref.task is not None else None
     report(1.0)
     identical = sum(chosen.get(n + i, []) == tokens for i, tokens in enumerate(expected))

@@ -195,7 +195,7 @@ def test_a_requeued_job_continues_from_the_last_layer_its_dead_worker_finished(
     from tests.tiny import save_adapter
 
     # Deep enough that calibration takes seconds, so the worker dies in the middle of it.
-    deep = random_llama(tmp_path / "deep", tokenizer_dir, layers=24, hidden=256, intermediate=1024)
+    deep = random_llama(tmp_path / "deep", tokenizer_dir, layers=12, hidden=256, intermediate=1024)
     catalogue.weights_location = str(deep)
     catalogue.weight_shapes = base_weight_shapes(deep)
     catalogue.save()
@@ -219,7 +219,7 @@ def test_a_requeued_job_continues_from_the_last_layer_its_dead_worker_finished(
     wait_for(lambda: layers_done() >= 3, timeout=300, what="three calibrated layers", interval=0.01)
     doomed.kill()
     finished = layers_done()
-    assert 3 <= finished < 24
+    assert 3 <= finished < 12
     start_worker("cpu", name="survivor")
     assert alice.wait(job["id"], timeout=60)["status"] == "error"
 
@@ -230,7 +230,7 @@ def test_a_requeued_job_continues_from_the_last_layer_its_dead_worker_finished(
     assert done["status"] == "completed", [(e["type"], e["message"]) for e in events]
     messages = [e["message"] for e in events]
     assert f"Requeued from {job['id']} by support; it continues from where that job stopped" in messages
-    assert f"Resuming calibration at layer {finished + 1} of 24: an earlier run finished layers 1-{finished}" in messages
+    assert f"Resuming calibration at layer {finished + 1} of 12: an earlier run finished layers 1-{finished}" in messages
     assert done["report"]["resumed_from_layer"] == finished
     assert not (settings.ARTIFACT_ROOT / "work" / new.id).exists()  # removed once the job ended
     assert ledger_of(job["id"]) == ["hold", "release"] and ledger_of(new.id) == ["hold", "charge"]
