@@ -83,6 +83,14 @@ def run(config: PipelineConfig) -> PipelineResult:
     _check_output_dir(config.output_dir)
     compute = device_mod.resolve(config.device)
     memory.keep_memory_returnable()
+    memory.release(compute.device)  # what a run before this one in the process left (a failed one's models)
+    try:
+        return _run_stages(config, recipe, progress, compute)
+    finally:
+        memory.release(compute.device)
+
+
+def _run_stages(config: PipelineConfig, recipe: Recipe, progress: Progress, compute: device_mod.Compute) -> PipelineResult:
     progress.check()
     config.output_dir.parent.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(config.seed)

@@ -253,3 +253,30 @@ def test_a_checkpoint_bigger_than_the_free_disk_is_refused_before_any_work(
         run_tiny(base, tmp_path / "out", progress=lambda s, f: stages.append(s))
     assert set(stages) == {"merging"}
 
+
+
+def test_a_run_leaves_no_model_behind_for_the_next_one_in_its_process(
+    llama_base: Path, tmp_path: Path, calibration_file: Path
+) -> None:
+    # A worker runs job after job in one process. The streamed models' offload hooks make reference
+    # cycles, which only the cycle collector frees: with it switched off, nothing but the run's own
+    # release may free them, and a model left over would stay on the device into the next job.
+    import gc
+
+    from transformers import PreTrainedModel
+
+    def models() -> int:  # holding memory: a shapes-only model (all on meta, kept for name mapping) holds none
+        return sum(
+            isinstance(o, PreTrainedModel) and any(t.device.type != "meta" for t in [*o.parameters(), *o.buffers()])
+            for o in gc.get_objects()
+        )
+
+    gc.collect()
+    before = models()
+    gc.disable()
+    try:
+        run_tiny(llama_base, tmp_path / "out", calibration_file=calibration_file, quality_gate=False)
+        left = models() - before
+    finally:
+        gc.enable()
+    assert left == 0, f"{left} models outlived the run"

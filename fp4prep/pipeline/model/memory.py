@@ -1,8 +1,12 @@
-"""Memory a streamed run gives back: the C heap trimmed as layers come and go."""
+"""Memory a streamed run gives back: the C heap trimmed as layers come and go, and what a run held
+freed when it ends."""
 
 from __future__ import annotations
 
+import gc
 from typing import Any
+
+import torch
 
 M_MMAP_THRESHOLD = -3  # glibc's malloc.h
 MMAP_THRESHOLD_BYTES = 4 << 20
@@ -27,6 +31,18 @@ def trim_heap() -> None:
     """Give the C heap's free pages back to the system, wherever they are in it."""
     if _LIBC is not None:
         _LIBC.malloc_trim(0)
+
+
+def release(device: torch.device) -> None:
+    """Free what an ended run left unreachable, on ``device`` too. A streamed model's offload hooks
+    make reference cycles, which only the cycle collector frees, whenever it next runs: a worker
+    running job after job in one process would start the next with the last one's models still on
+    the GPU (measured on an H200: a 4-layer run's 180 MiB still allocated through the merging stage
+    of the 20-layer run after it)."""
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    trim_heap()
 
 
 def _libc() -> Any:
