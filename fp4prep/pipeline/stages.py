@@ -14,7 +14,6 @@ or cancelled run leaves nothing half-written there.
 
 from __future__ import annotations
 
-import gc
 import logging
 import shutil
 from collections.abc import Callable
@@ -223,7 +222,7 @@ def _export(state: _Run) -> None:
         if state.reload_reference is None:
             state.reload_reference = parity.logits(state.model, example)
         state.model = None
-        gc.collect()
+        memory.release(state.compute.device)
 
 
 def _write_checkpoint(state: _Run, example: list[int]) -> torch.Tensor | None:

@@ -254,7 +254,6 @@ def test_a_checkpoint_bigger_than_the_free_disk_is_refused_before_any_work(
     assert set(stages) == {"merging"}
 
 
-
 def test_a_run_leaves_no_model_behind_for_the_next_one_in_its_process(
     llama_base: Path, tmp_path: Path, calibration_file: Path
 ) -> None:
