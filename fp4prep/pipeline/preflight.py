@@ -128,6 +128,9 @@ def check_disk(
         # The changed weights, in BF16, written back as each layer is calibrated; ModelOpt's
         # per-layer checkpoint holds them too until calibration ends.
         state += 2 * 2 * sum(weights.numel(n) for n in weights)
+    if recipe.static_weight_scales:
+        # Each calibrated layer's static block scales until export: FP32, one per 16 weights.
+        state += sum(weights.numel(n) for n in weights) // 4
     work, out = _existing(work_dir), _existing(output_dir)
     # The checkpoint is written in the work directory and moved into place: on the same disk that
     # is a rename, on another a copy.

@@ -37,6 +37,7 @@ from .model.merge import Adapter, MergedWeights, load_adapter
 from .model.reads import ReadTally, safetensors_bytes, tallying
 from .model.safetensors import TensorSource, directory_bytes, read_config
 from .modelopt_ext import quantizers
+from .modelopt_ext.block_scales import BlockScales
 from .modelopt_ext.session import Session
 from .progress import Progress
 from .recipes import Recipe, recipe_for
@@ -66,6 +67,7 @@ class _Run:
     bf16_bytes: int = 0
     corpus: corpus_mod.Corpus | None = None
     calibrated: Calibrated | None = None
+    scales: BlockScales | None = None
     resumed_from: int | None = None
     reload_reference: torch.Tensor | None = None
     reads: ReadTally | None = None
@@ -95,9 +97,12 @@ def _run_stages(config: PipelineConfig, recipe: Recipe, progress: Progress, comp
     torch.manual_seed(config.seed)
     with opened(config.work_dir, config.output_dir) as work, Session(compute) as session:
         state = _Run(config, recipe, progress, work, compute, session)
-        # The base, the checkpoint, and the weights calibration changed, which the run keeps on disk
-        # (one file each under the work directory's written/) until export reads them.
-        sources = {"base": config.base_dir, "checkpoint": work.out, "written": work.written}
+        # The base, the checkpoint, and what the run keeps on disk until export reads it: the weights
+        # calibration changed (one file each under written/) and the static block scales (one file
+        # per layer under block_scales/).
+        sources = {
+            "base": config.base_dir, "checkpoint": work.out, "written": work.written, "block_scales": work.block_scales,
+        }
         state.reads = ReadTally(sources, lambda: progress.current)
         try:
             with tallying(state.reads):
@@ -175,6 +180,9 @@ def _calibrate(state: _Run) -> None:
             state.merged.keep_written(work.written)
         if done:
             saved = quantizers.restore(state.model, work.calibrated, state.compute)
+            state.scales = state.session.keep_block_scales(state.model, work.block_scales)
+            state.scales.recording = False
+            state.scales.offload_all()  # a state saved with its scales in it
             state.calibrated = Calibrated(
                 saved["expert_tokens"], saved.get("fold_factors", {}), saved.get("expert_gptq", {}),
                 [GroupError.from_list(row) for row in saved.get("rounding_errors", [])],
@@ -185,10 +193,13 @@ def _calibrate(state: _Run) -> None:
         if start:
             state.resumed_from = start
             _note(config, f"Resuming calibration at layer {start + 1} of {layers}: an earlier run finished layers 1-{start}")
+        state.scales = state.session.keep_block_scales(state.model, work.block_scales)
         state.calibrated = calibrate(
             state.model, state.recipe, state.corpus.sequences, state.compute, state.session,
             state.progress.sub(0.1, 1.0), work,
         )
+        state.scales.recording = False  # from here on, scales only come back from disk
+        state.scales.offload_all()  # any layer whose scales are still in memory
 
 
 def _quantize(state: _Run) -> None:
@@ -220,7 +231,9 @@ def _export(state: _Run) -> None:
         if not state.work.exported_mark.is_file():
             state.reload_reference = _write_checkpoint(state, example)
         if state.reload_reference is None:
-            state.reload_reference = parity.logits(state.model, example)
+            assert state.scales is not None
+            with state.scales.in_forward():
+                state.reload_reference = parity.logits(state.model, example)
         state.model = None
         memory.release(state.compute.device)
 
@@ -282,7 +295,8 @@ def _validate(state: _Run) -> PipelineResult:
             raise PipelineError("the checkpoint missed its quality thresholds: " + "; ".join(missed))
         assert state.reads is not None
         sizes = {"base": safetensors_bytes(config.base_dir), "checkpoint": safetensors_bytes(out)}
-        reads = state.reads.report({**sizes, "written": safetensors_bytes(state.work.written)})
+        held = {"written": state.work.written, "block_scales": state.work.block_scales}
+        reads = state.reads.report({**sizes, **{name: safetensors_bytes(d) for name, d in held.items()}})
         result = PipelineResult(
             output_dir=out, quantization=recipe.name, stage_seconds=dict(progress.stage_seconds),
             bf16_bytes=state.bf16_bytes, output_bytes=directory_bytes(out), corpus=state.corpus.stats,

@@ -7,7 +7,8 @@ with other inputs starts afresh. In stage order:
 - ``calibration/``: ModelOpt's per-layer checkpoint (each finished layer's quantizer state and the
   next layer's inputs), with ``fold_factors/`` (what folding did to each layer's weights),
   ``expert_tokens.json`` (the MoE routers' counts) and ``written/`` (the weights calibration
-  changed, one file per tensor, read instead of the merged ones);
+  changed, one file per tensor, read instead of the merged ones), ``block_scales/`` (each calibrated
+  layer's static block scales, one file per layer, read again by export);
 - ``calibrated.pt``: every quantizer once calibration is done (the per-layer files then go);
 - ``out/`` and ``exported``: the checkpoint, and the mark that its export finished.
 
@@ -41,6 +42,7 @@ class WorkDir:
     fold_factors = property(lambda self: self.root / "fold_factors")
     expert_tokens = property(lambda self: self.root / "expert_tokens.json")
     written = property(lambda self: self.root / "written")
+    block_scales = property(lambda self: self.root / "block_scales")
     calibrated = property(lambda self: self.root / "calibrated.pt")
     out = property(lambda self: self.root / "out")
     exported_mark = property(lambda self: self.root / "exported")
@@ -75,6 +77,9 @@ class WorkDir:
         for path in self.written.glob("*.safetensors"):
             found = layer.match(path.name)
             if found and int(found[1]) >= start:
+                path.unlink()
+        for path in self.block_scales.glob("*.safetensors"):  # named by the layer's index
+            if path.stem.isdigit() and int(path.stem) >= start:
                 path.unlink()
         for path in self.fold_factors.glob("*"):
             index = path.name.split(".", 1)[0]

@@ -135,7 +135,10 @@ def save(model: torch.nn.Module, path: Path, extra: dict[str, Any]) -> None:
 
     state = {
         "modelopt_state": mto.modelopt_state(model),
-        "quantizers": {k: {n: t.cpu() for n, t in v.items()} for k, v in get_quantizer_state_dict(model).items()},
+        # Block scales kept on disk (``block_scales``) are saved as what they are here: their shapes.
+        "quantizers": {
+            k: {n: t if t.is_meta else t.cpu() for n, t in v.items()} for k, v in get_quantizer_state_dict(model).items()
+        },
         **extra,
     }
     tmp = path.with_suffix(".tmp")

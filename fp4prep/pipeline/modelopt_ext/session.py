@@ -4,6 +4,8 @@
   CUDA, and ``backend.InputBackend``, which input quantizers name everywhere (the engine's arithmetic).
 - ``fp4prep``, a calibration algorithm whose per-layer function is the run's own ``LayerPass`` (the
   recipe's steps); restoring a calibrated model's state needs it registered too.
+- ModelOpt's weight windows on a decoder layer, which also bring in and take out its block scales
+  once calibration kept them on disk (``keep_block_scales``, ``block_scales.BlockScales``).
 - ModelOpt's static NVFP4 fake-quant kernel (Triton, called directly by quantizers with static block
   scales, whatever their backend) replaced by ``numerics.static_nvfp4_fake_quant``, the arithmetic
   the checkpoint holds: from the start without Triton, and after calibration on CUDA, where the
@@ -15,8 +17,10 @@ one process calibrate alike.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any, Literal
 
 import torch
@@ -24,6 +28,7 @@ import torch
 from ..device import Compute
 from ..formats.numerics import static_nvfp4_fake_quant
 from . import backend
+from .block_scales import BlockScales
 
 METHOD = "fp4prep"
 # A decoder layer and the function that replays its calibration inputs through it.
@@ -62,6 +67,14 @@ class Session:
         for name, module in model.named_modules():
             if isinstance(module, TensorQuantizer) and module.is_enabled and backend.handles(module.num_bits):
                 module.backend = backend.INPUTS if name.endswith("input_quantizer") else backend.NAME
+
+    def keep_block_scales(self, model: torch.nn.Module, directory: Path) -> BlockScales:
+        """From now on a decoder layer's block scales are in memory only while the layer is."""
+        scales = BlockScales(model, directory, self.compute.device)
+        stack = contextlib.ExitStack()
+        stack.enter_context(scales.windows())
+        self._undo.append(stack.close)
+        return scales
 
     def _register_backends(self) -> None:
         from modelopt.torch.quantization.nn.modules import tensor_quantizer as tq
