@@ -245,7 +245,8 @@ def test_a_checkpoint_bigger_than_the_free_disk_is_refused_before_any_work(
     import shutil
 
     free = shutil.disk_usage(tmp_path).free
-    hidden, intermediate = 2048, 5632
+    # Llama-3-8B's layer shape: few layers fill a big disk (each one is built, on meta, twice).
+    hidden, intermediate = 4096, 14336
     layer_output = (4 * hidden * hidden + 3 * hidden * intermediate) * 4.5 / 8  # NVFP4 bytes per layer
     layers = int(free / layer_output * 1.2) + 1
     base = sparse_llama(tmp_path / "deep", tokenizer_dir, layers, hidden, intermediate)
