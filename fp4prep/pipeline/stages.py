@@ -95,8 +95,8 @@ def _run_stages(config: PipelineConfig, recipe: Recipe, progress: Progress, comp
     progress.check()
     config.output_dir.parent.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(config.seed)
-    with opened(config.work_dir, config.output_dir) as work, Session(compute) as session:
-        state = _Run(config, recipe, progress, work, compute, session)
+    with opened(config.work_dir, config.output_dir) as work:
+        state = _Run(config, recipe, progress, work, compute, Session(compute))
         # The base, the checkpoint, and what the run keeps on disk until export reads it: the weights
         # calibration changed (one file each under written/) and the static block scales (one file
         # per layer under block_scales/).
@@ -106,11 +106,12 @@ def _run_stages(config: PipelineConfig, recipe: Recipe, progress: Progress, comp
         state.reads = ReadTally(sources, lambda: progress.current)
         try:
             with tallying(state.reads):
-                _merge(state)
-                _calibrate(state)
-                _quantize(state)
-                _export(state)
-                result = _validate(state)
+                _merge(state)  # its checks before ModelOpt is imported (seconds): bad input fails at once
+                with state.session:
+                    _calibrate(state)
+                    _quantize(state)
+                    _export(state)
+                    result = _validate(state)
         except (UserError, PipelineError, Cancelled):
             raise
         except Exception as exc:
