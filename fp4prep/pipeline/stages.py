@@ -236,6 +236,9 @@ def _export(state: _Run) -> None:
             with state.scales.in_forward():
                 state.reload_reference = parity.logits(state.model, example)
         state.model = None
+        if state.scales is not None:  # it refers to the model's layers, which must go now
+            state.scales.close()
+            state.scales = None
         memory.release(state.compute.device)
 
 

@@ -85,6 +85,11 @@ class BlockScales:
             if not self.open.get(index):
                 self._offload(index, layer)
 
+    def close(self) -> None:
+        """Forget the model: once it is exported, nothing here may keep its layers (and what export
+        left on them) alive; windows opened afterwards pass through."""
+        self.layers, self.index, self.open = [], {}, {}
+
     @contextlib.contextmanager
     def windows(self) -> Iterator[None]:
         """Inside, ModelOpt's weight windows on a decoder layer (calibration's, a restore's,
