@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -41,7 +42,7 @@ def export(
 
     output_dir.mkdir(parents=True, exist_ok=True)
     walk = reference.during_export() if reference is not None else contextlib.nullcontext()
-    with torch.no_grad(), quiet(), sharing_done(model), walk:
+    with torch.no_grad(), quiet(), sharing_done(model), walk, bf16_as_written():
         export_hf_checkpoint(model, dtype=torch.bfloat16, export_dir=output_dir, max_shard_size=SHARD_BYTES)
     to_bf16(output_dir)
     tokenizer.save_pretrained(output_dir)
@@ -49,13 +50,40 @@ def export(
         to_compressed_tensors(output_dir, output_dir, activations=recipe.format.activations_quantized)
 
 
+def _unquantized_fp32(key: str, dtype: torch.dtype) -> bool:
+    """An unquantized weight or bias in FP32: a quantized weight is packed (FP4 codes in bytes, FP8)
+    and scales are not named ``.weight`` or ``.bias``."""
+    return key.endswith((".weight", ".bias")) and dtype in (torch.float32, torch.float64)
+
+
+@contextlib.contextmanager
+def bf16_as_written() -> Iterator[None]:
+    """Inside, ModelOpt's streaming export casts unquantized FP32 weights to BF16 as it adds them to
+    a shard (what ``to_bf16`` does afterwards), so that they are not written, read back and
+    written again: on a CPU that computes in FP32 that was one and a half reads of the checkpoint."""
+    from modelopt.torch.export import unified_export_hf_streaming as streaming_export
+
+    writer = streaming_export._StreamingShardWriter
+    add = writer.add
+
+    def add_bf16(self: Any, key: str, tensor: torch.Tensor) -> None:
+        add(self, key, tensor.to(torch.bfloat16) if _unquantized_fp32(key, tensor.dtype) else tensor)
+
+    writer.add = add_bf16  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        writer.add = add  # type: ignore[method-assign]
+
+
 def to_bf16(directory: Path) -> None:
     """Cast unquantized weights that ModelOpt wrote in FP32 back to BF16, the merged model's dtype.
 
-    ModelOpt's streaming export writes unquantized tensors in the dtype the model computed in: FP32
-    on CPUs without native BF16, and FP32 for modules transformers keeps in FP32 (MoE routers).
-    Their values are BF16 values (the merged model is BF16), so the cast is exact. Scales stay as
-    ModelOpt wrote them; a shard is rewritten only if it holds such a tensor.
+    ModelOpt's export writes unquantized tensors in the dtype the model computed in: FP32 on CPUs
+    without native BF16, and FP32 for modules transformers keeps in FP32 (MoE routers). Their values
+    are BF16 values (the merged model is BF16), so the cast is exact. Scales stay as ModelOpt wrote
+    them; a shard is rewritten only if it holds such a tensor (none after a streaming export, which
+    ``bf16_as_written`` casts as it goes).
     """
     for path in sorted(directory.glob("*.safetensors")):
         shard = SafetensorsFile(path)
@@ -64,8 +92,7 @@ def to_bf16(directory: Path) -> None:
             k
             for k in shard.entries
             if k.rpartition(".")[0] not in quantized
-            and k.endswith((".weight", ".bias"))
-            and shard.dtype(k) in (torch.float32, torch.float64)
+            and _unquantized_fp32(k, shard.dtype(k))
         }
         if cast:
             entries: dict[str, Entry] = {k: shard.read(k).to(torch.bfloat16) if k in cast else k for k in shard.entries}
