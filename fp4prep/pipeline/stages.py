@@ -182,8 +182,7 @@ def _calibrate(state: _Run) -> None:
         if done:
             saved = quantizers.restore(state.model, work.calibrated, state.compute)
             state.scales = state.session.keep_block_scales(state.model, work.block_scales)
-            state.scales.recording = False
-            state.scales.offload_all()  # a state saved with its scales in it
+            state.scales.finish()  # a state saved with its scales in it
             state.calibrated = Calibrated(
                 saved["expert_tokens"], saved.get("fold_factors", {}), saved.get("expert_gptq", {}),
                 [GroupError.from_list(row) for row in saved.get("rounding_errors", [])],
@@ -199,8 +198,7 @@ def _calibrate(state: _Run) -> None:
             state.model, state.recipe, state.corpus.sequences, state.compute, state.session,
             state.progress.sub(0.1, 1.0), work,
         )
-        state.scales.recording = False  # from here on, scales only come back from disk
-        state.scales.offload_all()  # any layer whose scales are still in memory
+        state.scales.finish()
 
 
 def _quantize(state: _Run) -> None:

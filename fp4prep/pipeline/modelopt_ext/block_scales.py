@@ -78,9 +78,11 @@ class BlockScales:
         for quantizer in held.values():
             quantizer._buffers["_amax"] = torch.empty_like(quantizer._amax, device="meta")
 
-    def offload_all(self) -> None:
-        """Every layer not in a window leaves its scales on disk (after a restore that put them
-        all back, or on a model calibrated before they were kept apart)."""
+    def finish(self) -> None:
+        """Calibration is done: from here on scales only come back from disk, and every layer not
+        in a window leaves its own there (after a restore that put them all back, or on a model
+        calibrated before they were kept apart)."""
+        self.recording = False
         for index, layer in enumerate(self.layers):
             if not self.open.get(index):
                 self._offload(index, layer)
