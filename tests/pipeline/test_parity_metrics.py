@@ -12,7 +12,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from fp4prep.pipeline.inputs.corpus import ParityExample
-from fp4prep.pipeline.validation import parity, prompt_cache
+from fp4prep.pipeline.validation import continuations, parity, prompt_cache
 from fp4prep.pipeline.validation.parity import (
     compare,
     final_hidden_states,
@@ -85,6 +85,22 @@ def test_teacher_forced_agreement_is_what_decoding_the_candidate_gives(llama_bas
     answered = [row[:4] for row in decoded]
     hits = sum(row[:3] == t and row[3] in tasks.end for row, t in zip(answered, tasks.answers, strict=True))
     assert 0 < hits < len(cases) and measured.task_success == hits / len(cases)
+
+
+def test_a_rounds_later_picks_out_of_step_still_make_a_guess() -> None:
+    # The model goes on 10 11 12 13 20 21 (11 12: one word in two tokens); the round's guess had one
+    # token, 50, where the model writes 11 12. Its picks after 50 (13 20 21) are right but one token
+    # out of step, and the other answers (the pool) go on 13 30 after 11 12. Only the guess chained
+    # from both (the pool's 12 13, then the picks' 20 21) is the continuation.
+    prompt, truth = [1, 2, 3], [10, 11, 12, 13, 20, 21]
+    guess = [10, 50, 13, 20, 21, 22]
+    picks = [10, 11, 13, 20, 21, 22, 23]  # the model's pick at each position of the guess, and after
+    got = [10, 11]  # the guess's first token, then the model's correction
+    pool = continuations._Continuations([[5, 11, 12, 13, 30, 31]])
+    guesses = continuations._guesses(pool, prompt, got, picks, len(truth))
+    assert all(g[:2] == got for g in guesses) and guess not in guesses
+    assert [g for g in guesses if g == truth] == [truth], guesses
+    assert pool.chained(prompt + got, picks[2:], 4) == truth[2:]
 
 
 @pytest.mark.parametrize("runs", ["cached", "cached from several runs", "not cached"])

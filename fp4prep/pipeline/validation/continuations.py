@@ -6,8 +6,9 @@ the model's own picks agree with it: the pick after the prompt is the greedy tok
 pick is too while the guess agreed with the picks before it. So a round keeps a guess up to and
 including the first pick that differs from it, and a prompt not finished runs again with new
 guesses: the kept picks followed by what came after the same last tokens elsewhere (its own prompt,
-the other prompts' continuations so far, the drafts), and by the round's later picks (made after a
-wrong token, and often right anyway). The held-back answers are usually what the merged model says,
+the other prompts' continuations so far, the drafts), by the round's later picks (made after a
+wrong token, and often right anyway), and token by token from those picks first, then the rest
+(where the picks went on right but out of step). The held-back answers are usually what the merged model says,
 so most continuations are confirmed in the first round.
 """
 
@@ -137,11 +138,15 @@ def _first_round(
 
 def _guesses(pool: _Continuations, prompt: list[int], got: list[int], picks: list[int], n: int) -> list[list[int]]:
     """The next round's guesses for a prompt whose confirmed tokens are ``got``: what followed the
-    same last tokens in its text and in the pool, and the round's own later picks."""
+    same last tokens in its text and in the pool, the round's own later picks, and a guess chained
+    from those picks and the rest."""
     room = n - len(got)
+    later = picks[len(got) :]  # made after a wrong token: often right anyway, or right further on
     options = [got + found for found in pool.after(prompt + got, room)]
-    options.append(got + picks[len(got) :][:room])  # made after a wrong token, often right anyway
-    return [g for k, g in enumerate(options) if g not in options[:k]]
+    options.append(got + later[:room])
+    options.append(got + pool.chained(prompt + got, later, room))
+    options = [g for k, g in enumerate(options) if g not in options[:k] and len(g) > len(got)]
+    return options or [got]  # nothing to guess: the row still finds the next token
 
 
 def _confirmed(picks: list[int], guess: list[int], fixed: int, eos: set[int], n: int) -> tuple[bool, list[int]]:
@@ -191,3 +196,27 @@ class _Continuations:
                     found.append(sequences[s][at : at + room])
                     break
         return found
+
+    def chained(self, text: list[int], later: list[int], room: int) -> list[int]:
+        """Up to ``room`` tokens, each what followed the longest run of the last tokens so far in
+        ``later`` (a round's picks after a wrong token), else in ``text``, else in the sequences.
+        Where the picks went on right but out of step (the wrong token was one of two where the
+        model writes one), they are found again after the tokens that put them back in step."""
+        sources = [([later], self._indexed([later])), ([text], self._indexed([text])), (self.sequences, self.index)]
+        out: list[int] = []
+        while len(out) < room:
+            step = self._next(text + out, sources)
+            if step is None:
+                break
+            out.append(step)
+        return out
+
+    def _next(self, text: list[int], sources: list[tuple[list[list[int]], dict[tuple[int, ...], tuple[int, int]]]]) -> int | None:
+        """The token that followed the longest run of ``text``'s last tokens in the first source
+        that holds one."""
+        for sequences, index in sources:
+            for k in range(min(self.LOOKUP, len(text)), 0, -1):
+                found = index.get(tuple(text[-k:]))
+                if found is not None:
+                    return sequences[found[0]][found[1]]
+        return None
