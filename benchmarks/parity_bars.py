@@ -55,13 +55,13 @@ def scramble(checkpoint: Path, target: Path, layer: int) -> Path:
 def decoded(reference: Any, model: Any, tokenizer: Any) -> dict[str, float]:
     """The identical-greedy share and the task score as decoding ``model`` gives them (how validation
     measured them before both were computed teacher-forced), for comparison."""
-    from fp4prep.pipeline.validation import parity
+    from fp4prep.pipeline.validation import decoding
 
-    got = parity.greedy(model, reference.prompts, reference.continuation_tokens)
+    got = decoding.greedy(model, reference.prompts, reference.continuation_tokens)
     identical = sum(a == b for a, b in zip(got, reference.expected, strict=True)) / len(got)
     task = reference.task
     lengths = [len(a) + 2 for a in task.answers]
-    answers = parity.greedy(model, task.prompts, max(lengths))
+    answers = decoding.greedy(model, task.prompts, max(lengths))
     hits = sum(
         tokenizer.decode(row[:n], skip_special_tokens=True).strip() == tokenizer.decode(a).strip()
         for row, n, a in zip(answers, lengths, task.answers, strict=True)

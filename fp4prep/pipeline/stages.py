@@ -69,7 +69,7 @@ class _Run:
     calibrated: Calibrated | None = None
     scales: BlockScales | None = None
     resumed_from: int | None = None
-    reload_reference: torch.Tensor | None = None
+    reload: parity.Reload | None = None  # the calibrated model's logits on a held-back example
     reads: ReadTally | None = None
 
 
@@ -227,12 +227,12 @@ def _export(state: _Run) -> None:
     assert state.corpus is not None
     example = state.corpus.parity[0].input_ids[:RELOAD_CHECK_TOKENS]
     with state.progress.stage("exporting"):
-        if not state.work.exported_mark.is_file():
-            state.reload_reference = _write_checkpoint(state, example)
-        if state.reload_reference is None:
+        reference = _write_checkpoint(state, example) if not state.work.exported_mark.is_file() else None
+        if reference is None:
             assert state.scales is not None
             with state.scales.in_forward():
-                state.reload_reference = parity.logits(state.model, example)
+                reference = parity.logits(state.model, example)
+        state.reload = parity.Reload(reference, example)
         state.model = None
         if state.scales is not None:  # it refers to the model's layers, which must go now
             state.scales.close()
@@ -256,11 +256,10 @@ def _validate(state: _Run) -> PipelineResult:
     against the BF16 merged model (and on the adapter's own task); then the quality gate."""
     config, recipe, compute, out = state.config, state.recipe, state.compute, state.work.out
     progress = state.progress
-    assert state.corpus is not None and state.calibrated is not None and state.reload_reference is not None
+    assert state.corpus is not None and state.calibrated is not None and state.reload is not None
     with progress.stage("validating"):
         checks = structure.structure(out, recipe.format, state.bf16_bytes)
         candidate = reader.load(out, compute)
-        reload_diff = parity.reload_difference(state.reload_reference, candidate, state.corpus.parity[0].input_ids)
         progress.update(0.1)
         # The BF16 merged model again, merged from the base (cheap, deterministic; not the calibrated
         # model's map, whose changed weights are the checkpoint's), retention measured as it reads.
@@ -277,11 +276,12 @@ def _validate(state: _Run) -> PipelineResult:
         bf16 = _bf16_side(state, bf16_model, progress.sub(0.1, 0.1 + share))
         merged.watch = None
         kept = kept_measure.report() if kept_measure is not None else None
-        measured = [_behaviour(bf16, candidate, progress.sub(0.1 + share, 0.1 + 2 * share))]
+        reload_diff, first = _behaviour(bf16, candidate, progress.sub(0.1 + share, 0.1 + 2 * share), state.reload)
+        measured = [first]
         del candidate
         for i, (numerics, _) in enumerate(profiles, 2):
             there = reader.load(out, compute, numerics=numerics.key)
-            measured.append(_behaviour(bf16, there, progress.sub(0.1 + i * share, 0.1 + (i + 1) * share)))
+            measured.append(_behaviour(bf16, there, progress.sub(0.1 + i * share, 0.1 + (i + 1) * share))[1])
             del there
         del bf16_model, bf16
         (behaviour, task), thresholds = measured[0], config.thresholds or recipe.thresholds
@@ -328,14 +328,16 @@ def _task_set(config: PipelineConfig, tokenizer: Any, model: Any) -> task_mod.Ta
 
 
 def _behaviour(
-    bf16: parity.Reference, candidate: Any, report: Callable[[float], None]
-) -> tuple[ParityReport, TaskReport | None]:
-    """Parity with the BF16 merged model, and the adapter's own task on both, where it has one."""
-    measured = parity.compare(bf16, candidate, report)
+    bf16: parity.Reference, candidate: Any, report: Callable[[float], None], reload: parity.Reload | None = None
+) -> tuple[float, tuple[ParityReport, TaskReport | None]]:
+    """The reload difference (given ``reload``, else 0), parity with the BF16 merged model, and the
+    adapter's own task on both, where it has one."""
+    measured = parity.compare(bf16, candidate, report, reload)
+    difference = measured.reload_difference or 0.0
     if bf16.task is None or measured.task_success is None:
-        return measured.parity, None
+        return difference, (measured.parity, None)
     task_report = TaskReport(prompts=len(bf16.task.prompts), bf16_success=bf16.task_success, quantized_success=measured.task_success)
-    return measured.parity, task_report
+    return difference, (measured.parity, task_report)
 
 
 def _total_tokens(config: PipelineConfig) -> int:

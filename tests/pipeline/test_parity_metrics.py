@@ -13,10 +13,10 @@ from transformers import AutoModelForCausalLM
 
 from fp4prep.pipeline.inputs.corpus import ParityExample
 from fp4prep.pipeline.validation import continuations, parity, prompt_cache
+from fp4prep.pipeline.validation.decoding import greedy
 from fp4prep.pipeline.validation.parity import (
     compare,
     final_hidden_states,
-    greedy,
     reference_of,
     token_parity,
     verified_greedy,
@@ -172,7 +172,9 @@ def test_a_sequence_that_starts_another_is_read_off_that_ones_run(llama_base: Pa
     sequences = [a[:8], a, b[:8], a[:8], b[:12], a[:3] + b[:4]]
     plain = final_hidden_states(model, sequences)
     ran: list[list[list[int]]] = []
-    monkeypatch.setattr(parity, "final_hidden_states", lambda m, s: (ran.append(s), final_hidden_states(m, s))[1])
+    monkeypatch.setattr(
+        parity, "final_hidden_states", lambda m, s, alone=None: (ran.append(s), final_hidden_states(m, s, alone=alone))[1]
+    )
     states = parity.prefix_states(model, sequences)
     assert ran == [[a, b[:12], a[:3] + b[:4]]]  # the longest of each family, once
     for got, want in zip(states, plain, strict=True):

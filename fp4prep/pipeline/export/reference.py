@@ -17,11 +17,8 @@ from typing import Any
 
 import torch
 
+from ..model.layer_walk import layer_inputs, run_layer
 from ..model.streaming import decoder_layers
-
-
-class _Stop(Exception):
-    """Raised by the last layer's stand-in: nothing after the decoder layers is needed yet."""
 
 
 class ReloadReference:
@@ -33,49 +30,14 @@ class ReloadReference:
         self.model = model
         self.layers = list(decoder_layers(model)[1])
         self.position = {id(layer): i for i, layer in enumerate(self.layers)}
-        self.hidden, self.calls = self._layer_inputs(ids)
+        device = model.get_input_embeddings().weight.device
+        ids_tensor = torch.tensor([ids], dtype=torch.long, device=device)
+        self.hidden, self.calls = layer_inputs(model, ids_tensor, torch.ones_like(ids_tensor))
         self.done = 0
 
-    @torch.no_grad()
-    def _layer_inputs(self, ids: list[int]) -> tuple[torch.Tensor, list[tuple[tuple[Any, ...], dict[str, Any]]]]:
-        """The first layer's input and every layer's other arguments (mask, rotary tables), from
-        the decoder's own forward with each layer standing aside: no layer's weights are read."""
-        calls: list[tuple[tuple[Any, ...], dict[str, Any]]] = []
-        first: list[torch.Tensor] = []
-
-        def stand_in(hidden: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
-            if not calls:
-                first.append(hidden)
-            calls.append((args, kwargs))
-            if len(calls) == len(self.layers):
-                raise _Stop
-            return hidden
-
-        saved = [layer.__dict__.get("forward") for layer in self.layers]
-        for layer in self.layers:
-            layer.forward = stand_in
-        device = self.model.get_input_embeddings().weight.device
-        try:
-            ids_tensor = torch.tensor([ids], dtype=torch.long, device=device)
-            self.model.get_decoder()(input_ids=ids_tensor, attention_mask=torch.ones_like(ids_tensor), use_cache=False)
-        except _Stop:
-            pass
-        finally:
-            for layer, forward in zip(self.layers, saved, strict=True):
-                if forward is None:
-                    del layer.forward
-                else:
-                    layer.forward = forward
-        return first[0], calls
-
     def _through(self, layer: torch.nn.Module) -> None:
-        args, kwargs = self.calls[self.done]
-        # The layer's own forward, under the window export opened (accelerate's wrapper around it
-        # would materialize the weights again, then drop them).
-        forward = getattr(layer, "_old_forward", layer.forward)
-        with torch.no_grad():
-            out = forward(self.hidden, *args, **kwargs)
-        self.hidden = out[0] if isinstance(out, tuple) else out
+        # Under the window export opened: the layer's weights are in place.
+        self.hidden = run_layer(layer, self.hidden, self.calls[self.done])
         self.done += 1
 
     @contextlib.contextmanager

@@ -23,100 +23,101 @@ import torch
 import torch.nn.functional as F
 
 from ..config import ParityReport
-from ..device import available_memory
 from ..errors import PipelineError
 from ..inputs.corpus import ParityExample
+from ..model import layer_walk
 from . import continuations
-from .prompt_cache import PromptCache, Runs
+from .prompt_cache import PromptCache, Runs, kv_budget, kv_bytes_per_token
 from .task import TaskSet
 
 # Teacher-forced parity runs the decoder once over this many tokens at a time (one pass over a
 # streamed model's layers), then applies the output head to at most LOGITS_BYTES of logits at once.
 TOKENS_PER_PASS = 16384
 LOGITS_BYTES = 64 << 20
-# Prompts are decoded together (each decoding step is one pass over a streamed model's layers), as
-# many as keep their KV cache, which grows with the model's depth, within a tenth of the device's
-# free memory and at least this many bytes: every further batch of prompts decodes all its tokens
-# again, one more pass over the layers per token. Checking guesses keeps the prompts' keys and
-# values within the same budget, or runs the prompts again each round.
-KV_CACHE_BYTES = 128 << 20
 
 
 def _device(model: torch.nn.Module) -> torch.device:
     return next(model.parameters()).device
 
 
-def _kv_budget(model: Any) -> int:
-    return max(KV_CACHE_BYTES, available_memory(_device(model)) // 10)
-
-
 @torch.no_grad()
 def logits(model: torch.nn.Module, ids: list[int]) -> torch.Tensor:
-    return batch_logits(model, [ids])[0]
+    """The logits of one sequence, [len, vocab] in float32 on the CPU."""
+    ids_tensor, mask = _padded([ids], _device(model))
+    return model(ids_tensor, attention_mask=mask, use_cache=False).logits[0].float().cpu()
 
 
-@torch.no_grad()
-def batch_logits(model: torch.nn.Module, sequences: list[list[int]]) -> list[torch.Tensor]:
-    """Each sequence's logits, [len, vocab] in float32 on the CPU; one forward for the batch."""
-    ids, mask = _padded(sequences, _device(model))
-    out = model(ids, attention_mask=mask, use_cache=False).logits
-    return [out[row, : len(seq)].float().cpu() for row, seq in enumerate(sequences)]
-
-
-def _padded(sequences: list[list[int]], device: torch.device, left: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+def _padded(sequences: list[list[int]], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The sequences right-padded into one batch, and its attention mask."""
     width = max(len(s) for s in sequences)
     ids = torch.zeros(len(sequences), width, dtype=torch.long)
     mask = torch.zeros(len(sequences), width, dtype=torch.long)
     for row, seq in enumerate(sequences):
-        place = slice(width - len(seq), width) if left else slice(0, len(seq))
-        ids[row, place] = torch.tensor(seq)
-        mask[row, place] = 1
+        ids[row, : len(seq)] = torch.tensor(seq)
+        mask[row, : len(seq)] = 1
     return ids.to(device), mask.to(device)
 
 
 @torch.no_grad()
-def final_hidden_states(model: Any, sequences: list[list[int]], cache: PromptCache | None = None) -> list[torch.Tensor]:
-    """Each sequence's last hidden states (after the final norm), ``[len, hidden]``.
+def final_hidden_states(
+    model: Any, sequences: list[list[int]], cache: PromptCache | None = None, alone: list[list[int]] | None = None
+) -> list[torch.Tensor]:
+    """Each sequence's last hidden states (after the final norm), ``[len, hidden]``; then those of
+    each ``alone`` sequence, run as a batch of its own (as a forward of it by itself computes them).
 
-    One run of the decoder per ``TOKENS_PER_PASS`` tokens: on a streamed model that is one read of
-    every layer for the whole set, where computing logits batch by batch would take one per batch.
-    Sequences are batched shortest first, so that little of a pass is padding. With ``cache``, the
-    keys and values of the prompts it keeps are kept too.
+    Sequences are batched shortest first, at most ``TOKENS_PER_PASS`` tokens a batch, so that little
+    of a batch is padding. Each decoder layer runs every batch while it is in (``layer_walk``): on
+    a streamed model, one read of every layer for the whole set. With ``cache``, the keys and values
+    of the prompts it keeps are kept too, and the decoder runs once per batch.
     """
     device = _device(model)
-    decoder = model.get_decoder()
-    states: list[torch.Tensor | None] = [None] * len(sequences)
+    everything = sequences + (alone or [])
+    batches = _batches(sequences) + [[len(sequences) + k] for k in range(len(alone or []))]
+    padded = [_padded([everything[j] for j in batch], device) for batch in batches]
+    if cache is None:
+        hidden = layer_walk.final_states(model, padded)
+    else:
+        assert not alone, "sequences run alone keep no keys and values"
+        hidden = []
+        for batch, (ids, mask) in zip(batches, padded, strict=True):
+            cache.recording(batch, device)
+            decoder = model.get_decoder()
+            hidden.append(decoder(input_ids=ids, attention_mask=mask, cache=cache, use_cache=True).last_hidden_state)
+    states: list[torch.Tensor] = [torch.empty(0)] * len(everything)
+    for batch, out in zip(batches, hidden, strict=True):
+        for row, j in enumerate(batch):
+            states[j] = out[row, : len(everything[j])]
+    return states
+
+
+def _batches(sequences: list[list[int]]) -> list[list[int]]:
+    """The sequences' indices in batches of at most ``TOKENS_PER_PASS`` tokens with padding, shortest
+    first."""
     order = sorted(range(len(sequences)), key=lambda i: len(sequences[i]))
+    batches: list[list[int]] = []
     batch: list[int] = []
     for k, i in enumerate(order):
         batch.append(i)
-        last = k == len(order) - 1
         # Sorted: the next sequence is the longest the batch would hold.
-        if last or (len(batch) + 1) * len(sequences[order[k + 1]]) > TOKENS_PER_PASS:
-            ids, mask = _padded([sequences[j] for j in batch], device)
-            if cache is not None:
-                cache.recording(batch, device)
-            hidden = decoder(
-                input_ids=ids, attention_mask=mask, cache=cache, use_cache=cache is not None
-            ).last_hidden_state
-            for row, j in enumerate(batch):
-                states[j] = hidden[row, : len(sequences[j])]
+        if k == len(order) - 1 or (len(batch) + 1) * len(sequences[order[k + 1]]) > TOKENS_PER_PASS:
+            batches.append(batch)
             batch = []
-    assert all(s is not None for s in states)
-    return states  # type: ignore[return-value]
+    return batches
 
 
-def prefix_states(model: Any, sequences: list[list[int]]) -> list[torch.Tensor]:
+def prefix_states(model: Any, sequences: list[list[int]], alone: list[list[int]] | None = None) -> list[torch.Tensor]:
     """``final_hidden_states`` of each sequence, those that start a longer one (a prompt and the
     held-back answer the BF16 model gave again, within its conversation) read off that one's run:
-    states depend only on the tokens before them."""
+    states depend only on the tokens before them. Then those of the ``alone`` sequences, each run
+    by itself."""
     owner = [
         min(range(len(sequences)), key=lambda j: (sequences[j][: len(s)] != s, -len(sequences[j]), j))
         for s in sequences
     ]
     run = sorted(set(owner))
-    states = dict(zip(run, final_hidden_states(model, [sequences[j] for j in run]), strict=True))
-    return [states[j][: len(s)] for j, s in zip(owner, sequences, strict=True)]
+    found = final_hidden_states(model, [sequences[j] for j in run], alone=alone)
+    states = dict(zip(run, found, strict=False))
+    return [states[j][: len(s)] for j, s in zip(owner, sequences, strict=True)] + found[len(run) :]
 
 
 @contextlib.contextmanager
@@ -133,15 +134,6 @@ def output_head(model: Any) -> Iterator[Callable[[torch.Tensor], torch.Tensor]]:
         yield lambda hidden: torch.nn.functional.linear(hidden, head.weight, head.bias).float().cpu()
 
 
-def _kv_bytes_per_token(model: Any) -> int:
-    config = model.config
-    heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    # MLA models (DeepSeek) cache wider keys than head_dim says; the hidden size bounds them well.
-    width = max(2 * heads * head_dim, 2 * config.hidden_size if hasattr(config, "kv_lora_rank") else 0)
-    return int(config.num_hidden_layers) * width * next(model.parameters()).element_size()
-
-
 def end_of_turn(model: Any) -> set[int]:
     """The tokens that end the model's turn (its generation config's end-of-sequence IDs)."""
     config = getattr(model, "generation_config", None) or model.config
@@ -151,67 +143,13 @@ def end_of_turn(model: Any) -> set[int]:
     return {eos} if isinstance(eos, int) else set(eos or [])
 
 
-@torch.no_grad()
-def greedy(model: Any, prompts: list[list[int]], n: int) -> list[list[int]]:
-    """Each prompt's greedy continuation of ``n`` tokens (through the first end-of-turn token).
+@dataclass
+class Reload:
+    """The reload check, done in a candidate's run: ``reference`` is the calibrated model's logits on
+    ``ids`` (a forward of that sequence by itself)."""
 
-    Prompts are decoded together, left-padded, with a KV cache: one pass over the layers per
-    token for the whole batch; decoding stops once every prompt has ended its turn. The head is
-    applied here, to each row's last hidden state, and held for the whole decoding. Validation
-    finds the BF16 model's continuations with ``verified_greedy`` (fewer passes); this is the plain
-    decoding the benchmarks and tests hold it and the teacher-forced figures to.
-    """
-    device = _device(model)
-    eos = end_of_turn(model)
-    decoder = model.get_decoder()
-    results: list[list[int]] = []
-    per_token = _kv_bytes_per_token(model)
-    budget = _kv_budget(model)
-    start = 0
-    with output_head(model) as head, torch.no_grad():
-        while start < len(prompts):
-            chunk = [prompts[start]]
-            while (
-                start + len(chunk) < len(prompts)
-                and (len(chunk) + 1) * (max(map(len, chunk + [prompts[start + len(chunk)]])) + n) * per_token
-                <= budget
-            ):
-                chunk.append(prompts[start + len(chunk)])
-            start += len(chunk)
-            ids, mask = _padded(chunk, device, left=True)
-            positions = (mask.cumsum(-1) - 1).clamp(min=0)
-            out = decoder(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True)
-            steps = []
-            ended = torch.zeros(len(chunk), dtype=torch.bool)
-            stops = torch.tensor(sorted(eos), dtype=torch.long)
-            for step in range(n):
-                # A contiguous [batch, hidden]: a strided 3-D slice makes some CPU matmul kernels
-                # expand the whole head per row (gigabytes for a large vocabulary).
-                token = head(out.last_hidden_state[:, -1, :].contiguous()).argmax(-1)
-                steps.append(token)
-                ended |= torch.isin(token.cpu(), stops)
-                # Every row has ended its turn: what follows would be cut off anyway.
-                if step == n - 1 or bool(ended.all()):
-                    break
-                mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=-1)
-                positions = positions[:, -1:] + 1
-                out = decoder(
-                    input_ids=token[:, None].to(device),
-                    attention_mask=mask,
-                    position_ids=positions,
-                    cache=out.cache,
-                    use_cache=True,
-                )
-            for row in torch.stack(steps, dim=1).tolist() if steps else [[] for _ in chunk]:
-                end = next((i + 1 for i, t in enumerate(row) if t in eos), len(row))
-                results.append(row[:end])
-    return results
-
-
-def reload_difference(reference: torch.Tensor, model: torch.nn.Module, ids: list[int]) -> float:
-    """The largest difference between ``model``'s logits on the first tokens of ``ids`` and
-    ``reference`` (the calibrated model's on as many)."""
-    return float((logits(model, ids[: reference.shape[0]]) - reference).abs().max())
+    reference: torch.Tensor
+    ids: list[int]
 
 
 @dataclass
@@ -298,7 +236,7 @@ def verified_greedy(
     report: Callable[[float], None] = lambda f: None,
 ) -> continuations.Verified:
     """``continuations.verified_greedy`` on ``model``, run and read as everything here is."""
-    runs = Runs(model, final_hidden_states, _kv_bytes_per_token(model), _kv_budget(model))
+    runs = Runs(model, final_hidden_states, kv_bytes_per_token(model), kv_budget(model))
     return continuations.verified_greedy(
         model, prompts, drafts, n, alongside, report, runs=runs, head_of=output_head, eos=end_of_turn(model)
     )
@@ -322,20 +260,23 @@ class Behaviour:
 
     parity: ParityReport
     task_success: float | None
+    reload_difference: float | None = None
 
 
-def compare(ref: Reference, candidate: Any, report: Callable[[float], None] = lambda f: None) -> Behaviour:
+def compare(
+    ref: Reference, candidate: Any, report: Callable[[float], None] = lambda f: None, reload: Reload | None = None
+) -> Behaviour:
     """``candidate`` against the BF16 model's ``ref``, all teacher-forced in one run of the
     candidate's decoder: over whole conversations, their answers and the BF16 model's continuations,
-    and on the adapter's task.
+    and on the adapter's task; and, given ``reload``, the largest difference between its logits and
+    the calibrated model's, its example run as a batch of its own in the same walk of the layers.
 
     A candidate's greedy continuation is identical to the BF16 model's exactly when, fed that
     continuation, it picks each of its tokens in turn: so the identical share needs no decoding.
     """
     examples, prompts, expected = ref.examples, ref.prompts, ref.expected
-    got_states = prefix_states(candidate, ref.sequences)
+    got_states = prefix_states(candidate, ref.sequences, [reload.ids] if reload is not None else None)
     report(0.8)
-    ref_states = ref.states
     n = len(examples)
     # Per sequence, the positions each tally reads: an assistant turn's are among its conversation's,
     # so the heads run once per position whatever reads it.
@@ -354,7 +295,7 @@ def compare(ref: Reference, candidate: Any, report: Callable[[float], None] = la
             rows = torch.unique(torch.cat(list(reads.values())))  # sorted, as each tally's are
             for start in range(0, len(rows), chunk):
                 part = rows[start : start + chunk]
-                got_ref = reference_head(ref_states[index][part.to(ref_states[index].device)])
+                got_ref = reference_head(ref.states[index][part.to(ref.states[index].device)])
                 got = candidate_head(got_states[index][part.to(got_states[index].device)])
                 for name, positions in reads.items():
                     pick = torch.isin(part, positions)
@@ -363,7 +304,8 @@ def compare(ref: Reference, candidate: Any, report: Callable[[float], None] = la
                     tallies[name].add(got_ref[pick], got[pick])
                     if name == "continuations":
                         chosen.setdefault(index, []).extend(got[pick].argmax(-1).tolist())
-        task = ref.task.success(got_states[2 * n :], candidate_head) if ref.task is not None else None
+        task = ref.task.success(got_states[2 * n : len(ref.sequences)], candidate_head) if ref.task is not None else None
+        reload_difference = float((candidate_head(got_states[-1]) - reload.reference).abs().max()) if reload else None
     report(1.0)
     identical = sum(chosen.get(n + i, []) == tokens for i, tokens in enumerate(expected))
     whole, answers, continuations = tallies["whole"], tallies["answers"], tallies["continuations"]
@@ -380,4 +322,4 @@ def compare(ref: Reference, candidate: Any, report: Callable[[float], None] = la
         continuation_top1=continuations.top1,
         continuation_kl=continuations.mean_kl,
     )
-    return Behaviour(parity, task)
+    return Behaviour(parity, task, reload_difference)

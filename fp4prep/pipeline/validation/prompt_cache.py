@@ -18,6 +18,27 @@ from typing import Any
 import torch
 from transformers.cache_utils import Cache, DynamicLayer
 
+from ..device import available_memory
+
+# The keys and values kept while checking guesses (and while decoding the benchmarks' and tests'
+# plain greedy continuations) stay within a tenth of the device's free memory and at least this
+# many bytes; past it, prompts run again each round (decoding: each further batch of prompts decodes
+# all its tokens again, one more pass over the layers per token).
+KV_CACHE_BYTES = 128 << 20
+
+
+def kv_budget(model: Any) -> int:
+    return max(KV_CACHE_BYTES, available_memory(next(model.parameters()).device) // 10)
+
+
+def kv_bytes_per_token(model: Any) -> int:
+    """What every layer's keys and values for one token take, together."""
+    config = model.config
+    heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    # MLA models (DeepSeek) cache wider keys than head_dim says; the hidden size bounds them well.
+    width = max(2 * heads * head_dim, 2 * config.hidden_size if hasattr(config, "kv_lora_rank") else 0)
+    return int(config.num_hidden_layers) * width * next(model.parameters()).element_size()
 
 class PromptCache(Cache):
     """Kept keys and values, one slot per prompt, every attention layer.
