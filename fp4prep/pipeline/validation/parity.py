@@ -30,8 +30,9 @@ from . import continuations
 from .prompt_cache import PromptCache, Runs, kv_budget, kv_bytes_per_token
 from .task import TaskSet
 
-# Teacher-forced parity runs the decoder once over this many tokens at a time (one pass over a
-# streamed model's layers), then applies the output head to at most LOGITS_BYTES of logits at once.
+# Teacher-forced parity runs the decoder over batches of at most this many tokens (all of them
+# through each layer while it is in: one pass over a streamed model's layers for the whole set),
+# then applies the output head to at most LOGITS_BYTES of logits at once.
 TOKENS_PER_PASS = 16384
 LOGITS_BYTES = 64 << 20
 
