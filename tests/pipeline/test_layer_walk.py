@@ -42,7 +42,7 @@ def test_every_batch_goes_through_a_layer_while_it_is_read_once(
     def per_batch() -> list[torch.Tensor]:
         states: list[torch.Tensor] = [torch.empty(0)] * (len(sequences) + 1)
         for batch in batches + [[len(sequences)]]:
-            ids, mask = parity._padded([(sequences + [alone])[j] for j in batch], torch.device("cpu"))
+            ids, mask = parity.padded([(sequences + [alone])[j] for j in batch], torch.device("cpu"))
             out = model.get_decoder()(input_ids=ids, attention_mask=mask, use_cache=False).last_hidden_state
             for row, j in enumerate(batch):
                 states[j] = out[row, : len((sequences + [alone])[j])]

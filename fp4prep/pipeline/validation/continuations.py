@@ -190,11 +190,9 @@ class _Continuations:
         every unfinished prompt costs that many rows per round."""
         found: list[list[int]] = []
         for sequences, index in (([text], self._indexed([text])), (self.sequences, self.index)):
-            for k in range(min(self.LOOKUP, len(text)), 0, -1):
-                if tuple(text[-k:]) in index:
-                    s, at = index[tuple(text[-k:])]
-                    found.append(sequences[s][at : at + room])
-                    break
+            where = self._longest(text, index)
+            if where is not None:
+                found.append(sequences[where[0]][where[1] : where[1] + room])
         return found
 
     def chained(self, text: list[int], later: list[int], room: int) -> list[int]:
@@ -215,8 +213,17 @@ class _Continuations:
         """The token that followed the longest run of ``text``'s last tokens in the first source
         that holds one."""
         for sequences, index in sources:
-            for k in range(min(self.LOOKUP, len(text)), 0, -1):
-                found = index.get(tuple(text[-k:]))
-                if found is not None:
-                    return sequences[found[0]][found[1]]
+            where = self._longest(text, index)
+            if where is not None:
+                return sequences[where[0]][where[1]]
+        return None
+
+    @classmethod
+    def _longest(cls, text: list[int], index: dict[tuple[int, ...], tuple[int, int]]) -> tuple[int, int] | None:
+        """Where (sequence, position) the longest run of ``text``'s last tokens in ``index`` was
+        first followed by something."""
+        for k in range(min(cls.LOOKUP, len(text)), 0, -1):
+            found = index.get(tuple(text[-k:]))
+            if found is not None:
+                return found
         return None

@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from .parity import end_of_turn, output_head
+from .parity import end_of_turn, output_head, padded
 from .prompt_cache import kv_budget, kv_bytes_per_token
 
 
@@ -38,7 +38,7 @@ def greedy(model: Any, prompts: list[list[int]], n: int) -> list[list[int]]:
             ):
                 chunk.append(prompts[start + len(chunk)])
             start += len(chunk)
-            ids, mask = _left_padded(chunk, device)
+            ids, mask = padded(chunk, device, left=True)
             positions = (mask.cumsum(-1) - 1).clamp(min=0)
             out = decoder(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True)
             steps = []
@@ -67,13 +67,3 @@ def greedy(model: Any, prompts: list[list[int]], n: int) -> list[list[int]]:
                 results.append(row[:end])
     return results
 
-
-def _left_padded(sequences: list[list[int]], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """The sequences left-padded into one batch (each ends at the last column), and its mask."""
-    width = max(len(s) for s in sequences)
-    ids = torch.zeros(len(sequences), width, dtype=torch.long)
-    mask = torch.zeros(len(sequences), width, dtype=torch.long)
-    for row, seq in enumerate(sequences):
-        ids[row, width - len(seq) :] = torch.tensor(seq)
-        mask[row, width - len(seq) :] = 1
-    return ids.to(device), mask.to(device)

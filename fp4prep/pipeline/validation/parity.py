@@ -44,18 +44,20 @@ def _device(model: torch.nn.Module) -> torch.device:
 @torch.no_grad()
 def logits(model: torch.nn.Module, ids: list[int]) -> torch.Tensor:
     """The logits of one sequence, [len, vocab] in float32 on the CPU."""
-    ids_tensor, mask = _padded([ids], _device(model))
+    ids_tensor, mask = padded([ids], _device(model))
     return model(ids_tensor, attention_mask=mask, use_cache=False).logits[0].float().cpu()
 
 
-def _padded(sequences: list[list[int]], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """The sequences right-padded into one batch, and its attention mask."""
+def padded(sequences: list[list[int]], device: torch.device, left: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """The sequences padded into one batch (on the right, or on the ``left`` so that each ends at
+    the last column), and its attention mask."""
     width = max(len(s) for s in sequences)
     ids = torch.zeros(len(sequences), width, dtype=torch.long)
     mask = torch.zeros(len(sequences), width, dtype=torch.long)
     for row, seq in enumerate(sequences):
-        ids[row, : len(seq)] = torch.tensor(seq)
-        mask[row, : len(seq)] = 1
+        place = slice(width - len(seq), width) if left else slice(0, len(seq))
+        ids[row, place] = torch.tensor(seq)
+        mask[row, place] = 1
     return ids.to(device), mask.to(device)
 
 
@@ -74,15 +76,14 @@ def final_hidden_states(
     device = _device(model)
     everything = sequences + (alone or [])
     batches = _batches(sequences) + [[len(sequences) + k] for k in range(len(alone or []))]
-    padded = [_padded([everything[j] for j in batch], device) for batch in batches]
+    inputs = [padded([everything[j] for j in batch], device) for batch in batches]
     if cache is None:
-        hidden = layer_walk.final_states(model, padded)
+        hidden = layer_walk.final_states(model, inputs)
     else:
         assert not alone, "sequences run alone keep no keys and values"
-        hidden = []
-        for batch, (ids, mask) in zip(batches, padded, strict=True):
+        hidden, decoder = [], model.get_decoder()
+        for batch, (ids, mask) in zip(batches, inputs, strict=True):
             cache.recording(batch, device)
-            decoder = model.get_decoder()
             hidden.append(decoder(input_ids=ids, attention_mask=mask, cache=cache, use_cache=True).last_hidden_state)
     states: list[torch.Tensor] = [torch.empty(0)] * len(everything)
     for batch, out in zip(batches, hidden, strict=True):

@@ -40,6 +40,7 @@ def kv_bytes_per_token(model: Any) -> int:
     width = max(2 * heads * head_dim, 2 * config.hidden_size if hasattr(config, "kv_lora_rank") else 0)
     return int(config.num_hidden_layers) * width * next(model.parameters()).element_size()
 
+
 class PromptCache(Cache):
     """Kept keys and values, one slot per prompt, every attention layer.
 
