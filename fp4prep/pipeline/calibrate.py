@@ -58,11 +58,13 @@ def calibrate(
     session: Session,
     report: Callable[[float], None],
     work: WorkDir | None = None,
+    before_layer: Callable[[torch.nn.Module], None] | None = None,
 ) -> Calibrated:
     """Insert the recipe's quantizers and calibrate them on ``sequences``, layer by layer.
 
     With ``work``, a calibration that stopped there earlier continues from its last finished layer.
-    Refuses if any MoE expert got no calibration token.
+    ``before_layer`` gets each decoder layer it calibrates first, its weights in place and unchanged
+    (MoE routers are not counted there). Refuses if any MoE expert got no calibration token.
     """
     import modelopt.torch.quantization as mtq
 
@@ -88,6 +90,8 @@ def calibrate(
     tokens = sum(len(sequence) for sequence in sequences)
     layer_pass = LayerPass(recipe, positions, work.fold_factors if work else None, tokens)
     session.layer_pass = layer_pass
+    if before_layer is not None:
+        session.before_layer = lambda layer: counter.paused(before_layer, layer)
     try:
         with quantizers.quiet():
             mtq.quantize(model, config, forward_loop)
@@ -98,7 +102,7 @@ def calibrate(
             forward_loop(model)
     finally:
         counter.remove()
-        session.layer_pass = None
+        session.layer_pass = session.before_layer = None
     report(1.0)
     _check_coverage(counter)
     return Calibrated(counter.as_lists(), layer_pass.factors, layer_pass.experts, layer_pass.errors, layer_pass.layer_errors)
@@ -129,6 +133,7 @@ class ExpertCounter:
         self.counts: dict[str, torch.Tensor] = {}
         self.calls: dict[str, int] = {}
         self._handles = []
+        self._counting = True
         saved = json.loads(path.read_text()) if path is not None and path.is_file() else {}
         for name, module in model.named_modules():
             experts = getattr(module, "experts", None)
@@ -148,7 +153,7 @@ class ExpertCounter:
 
     def _hook(self, name: str) -> Callable[..., None]:
         def hook(module: torch.nn.Module, args: object, output: object) -> None:
-            if self.calls[name] >= self.batches:
+            if not self._counting or self.calls[name] >= self.batches:
                 return
             indices = output[-1] if isinstance(output, tuple) else None
             if indices is None or indices.dtype not in (torch.int64, torch.int32):
@@ -168,6 +173,14 @@ class ExpertCounter:
         tmp = self.path.with_suffix(".tmp")
         tmp.write_text(json.dumps(done))
         os.replace(tmp, self.path)
+
+    def paused(self, run: Callable[[torch.nn.Module], None], layer: torch.nn.Module) -> None:
+        """``run(layer)`` with the routers' calls there not counted (not calibration's tokens)."""
+        self._counting = False
+        try:
+            run(layer)
+        finally:
+            self._counting = True
 
     def remove(self) -> None:
         for handle in self._handles:

@@ -41,8 +41,9 @@ from .modelopt_ext.block_scales import BlockScales
 from .modelopt_ext.session import Session
 from .progress import Progress
 from .recipes import Recipe, recipe_for
-from .validation import gate, parity, reader, report, retention, structure
+from .validation import first_round, gate, parity, reader, report, retention, structure
 from .validation import task as task_mod
+from .validation.prompt_cache import FirstRun
 from .workdir import WorkDir, fingerprint, opened
 
 logger = logging.getLogger(__name__)
@@ -70,6 +71,7 @@ class _Run:
     scales: BlockScales | None = None
     resumed_from: int | None = None
     reload: parity.Reload | None = None  # the calibrated model's logits on a held-back example
+    first_round: FirstRun | None = None  # validation's first round, run in calibration's walk
     reads: ReadTally | None = None
 
 
@@ -194,11 +196,15 @@ def _calibrate(state: _Run) -> None:
             state.resumed_from = start
             _note(config, f"Resuming calibration at layer {start + 1} of {layers}: an earlier run finished layers 1-{start}")
         state.scales = state.session.keep_block_scales(state.model, work.block_scales)
+        # Validation's first round rides along where calibration walks every layer (not resumed).
+        task_set = _task_set(config, state.tokenizer, state.model)
+        walk = first_round.prepare(state.model, state.corpus.parity, config.continuation_tokens, task_set) if not start else None
         state.calibrated = calibrate(
             state.model, state.recipe, state.corpus.sequences, state.compute, state.session,
-            state.progress.sub(0.1, 1.0), work,
+            state.progress.sub(0.1, 1.0), work, walk.layer if walk is not None else None,
         )
         state.scales.finish()
+        state.first_round = walk.result() if walk is not None else None
 
 
 def _quantize(state: _Run) -> None:
@@ -274,7 +280,7 @@ def _validate(state: _Run) -> PipelineResult:
         # the checkpoint as declared, and as the engine computes it on each profile that differs.
         share = 0.9 / (len(profiles) + 2)
         bf16 = _bf16_side(state, bf16_model, progress.sub(0.1, 0.1 + share))
-        merged.watch = None
+        merged.watch, state.first_round = None, None
         kept = kept_measure.report() if kept_measure is not None else None
         reload_diff, first = _behaviour(bf16, candidate, progress.sub(0.1 + share, 0.1 + 2 * share), state.reload)
         measured = [first]
@@ -318,7 +324,9 @@ def _bf16_side(state: _Run, bf16_model: Any, report: Callable[[float], None]) ->
     config = state.config
     assert state.corpus is not None
     task_set = _task_set(config, state.tokenizer, bf16_model)
-    return parity.reference_of(bf16_model, state.corpus.parity, config.continuation_tokens, report, task_set)
+    return parity.reference_of(
+        bf16_model, state.corpus.parity, config.continuation_tokens, report, task_set, state.first_round
+    )
 
 
 def _task_set(config: PipelineConfig, tokenizer: Any, model: Any) -> task_mod.TaskSet | None:

@@ -44,9 +44,10 @@ def _standing_aside(layers: list[torch.nn.Module], stand_in: Callable[..., torch
 
 
 @torch.no_grad()
-def layer_inputs(model: Any, ids: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, list[Call]]:
+def layer_inputs(model: Any, ids: torch.Tensor, mask: torch.Tensor, cache: Any = None) -> tuple[torch.Tensor, list[Call]]:
     """The first decoder layer's input for the batch ``ids`` and every layer's other arguments, from
-    the decoder's own forward with each layer standing aside: no layer's weights are read."""
+    the decoder's own forward with each layer standing aside: no layer's weights are read. With
+    ``cache``, the layers are handed it (their keys and values go there as they run)."""
     layers = list(decoder_layers(model)[1])
     calls: list[Call] = []
     first: list[torch.Tensor] = []
@@ -59,8 +60,9 @@ def layer_inputs(model: Any, ids: torch.Tensor, mask: torch.Tensor) -> tuple[tor
             raise _Stop
         return hidden
 
+    cached = {"cache": cache, "use_cache": True} if cache is not None else {"use_cache": False}
     with _standing_aside(layers, stand_in), contextlib.suppress(_Stop):
-        model.get_decoder()(input_ids=ids, attention_mask=mask, use_cache=False)
+        model.get_decoder()(input_ids=ids, attention_mask=mask, **cached)
     return first[0], calls
 
 
@@ -94,21 +96,59 @@ def held(modules: list[torch.nn.Module]) -> Iterator[None]:
                 m._hf_hook.offload = True  # type: ignore[union-attr]
 
 
-@torch.no_grad()
-def final_states(model: Any, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> list[torch.Tensor]:
+class Walk:
+    """Batches ``(ids, attention mask)`` through the decoder layers, driven one layer at a time from
+    outside (``layer``, the layer's weights in place), then the final norm (``finish``). With
+    ``cache`` (a ``prompt_cache.PromptCache``), each batch's kept rows record their keys and values
+    as ``recording`` tells it, batch by batch, at every layer."""
+
+    def __init__(
+        self, model: Any, batches: list[tuple[torch.Tensor, torch.Tensor]], cache: Any = None,
+        recording: Callable[[int], None] | None = None,
+    ) -> None:
+        self.model, self.batches, self.recording = model, batches, recording
+        self.layers = list(decoder_layers(model)[1])
+        inputs = [layer_inputs(model, ids, mask, cache) for ids, mask in batches]
+        self.hidden = [first for first, _ in inputs]
+        self.calls = [calls for _, calls in inputs]
+        self.done = 0  # layers run so far
+
+    @torch.no_grad()
+    def layer(self, index: int, layer: torch.nn.Module) -> None:
+        """Every batch through decoder layer ``index`` (the next one), its weights in place."""
+        assert index == self.done, f"layer {index} walked after layer {self.done - 1}"
+        for b, calls in enumerate(self.calls):
+            if self.recording is not None:
+                self.recording(b)
+            self.hidden[b] = run_layer(layer, self.hidden[b], calls[index])
+        self.done += 1
+
+    @torch.no_grad()
+    def finish(self) -> list[torch.Tensor]:
+        """Each batch's last hidden states (after the final norm, ``[rows, len, hidden]``)."""
+        assert self.done == len(self.layers), f"{self.done} of {len(self.layers)} layers walked"
+        model, layers = self.model, self.layers
+        inside = {id(m) for layer in layers for m in layer.modules()}
+        with held([m for m in model.get_decoder().modules() if id(m) not in inside]):  # the final norm
+            return [
+                _after_layers(model, layers, ids, mask, last)
+                for (ids, mask), last in zip(self.batches, self.hidden, strict=True)
+            ]
+
+
+def final_states(
+    model: Any, batches: list[tuple[torch.Tensor, torch.Tensor]], cache: Any = None,
+    recording: Callable[[int], None] | None = None,
+) -> list[torch.Tensor]:
     """Each batch's last hidden states (after the final norm, ``[rows, len, hidden]``) for the
-    batches ``(ids, attention mask)``, reading each decoder layer's weights once."""
+    batches ``(ids, attention mask)``, reading each decoder layer's weights once (``Walk``)."""
     if not batches:
         return []
-    layers = list(decoder_layers(model)[1])
-    inputs = [layer_inputs(model, ids, mask) for ids, mask in batches]
-    hidden = [first for first, _ in inputs]
-    for i, layer in enumerate(layers):
+    walk = Walk(model, batches, cache, recording)
+    for i, layer in enumerate(walk.layers):
         with held(list(layer.modules())):
-            hidden = [run_layer(layer, h, calls[i]) for h, (_, calls) in zip(hidden, inputs, strict=True)]
-    inside = {id(m) for layer in layers for m in layer.modules()}
-    with held([m for m in model.get_decoder().modules() if id(m) not in inside]):  # the final norm
-        return [_after_layers(model, layers, ids, mask, last) for (ids, mask), last in zip(batches, hidden, strict=True)]
+            walk.layer(i, layer)
+    return walk.finish()
 
 
 def _after_layers(

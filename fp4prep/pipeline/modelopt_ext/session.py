@@ -6,6 +6,8 @@
   recipe's steps); restoring a calibrated model's state needs it registered too.
 - ModelOpt's weight windows on a decoder layer, which also bring in and take out its block scales
   once calibration kept them on disk (``keep_block_scales``, ``block_scales.BlockScales``).
+- ModelOpt's layerwise calibration, which hands each decoder layer, its weights in place and not
+  yet changed, to ``before_layer`` where it is set (validation's first round runs there).
 - ModelOpt's static NVFP4 fake-quant kernel (Triton, called directly by quantizers with static block
   scales, whatever their backend) replaced by ``numerics.static_nvfp4_fake_quant``, the arithmetic
   the checkpoint holds: from the start without Triton, and after calibration on CUDA, where the
@@ -40,12 +42,14 @@ class Session:
         self.compute = compute
         self.backends = {backend.NAME: backend.CpuBackend(), backend.INPUTS: backend.InputBackend()}
         self.layer_pass: LayerFunction | None = None  # set by the calibration that runs the recipe
+        self.before_layer: Callable[[torch.nn.Module], None] | None = None
         self._undo: list[Callable[[], None]] = []
         self._kernel_swapped = False
 
     def __enter__(self) -> Session:
         self._register_backends()
         self._register_algorithm()
+        self._wrap_layerwise()
         if not _triton_available():
             self._swap_static_kernel()
         return self
@@ -104,6 +108,28 @@ class Session:
             CalibrateModeRegistry.remove_mode(name)
             if previous is not None:
                 CalibrateModeRegistry.register_mode(type(previous))
+
+        self._undo.append(undo)
+
+    def _wrap_layerwise(self) -> None:
+        """ModelOpt's layerwise calibration calls ``before_layer`` with each decoder layer before
+        the layer's calibration (whatever the algorithm), inside the window that holds its weights."""
+        from modelopt.torch.quantization import mode
+
+        original = mode.layerwise_calibrate
+
+        def layerwise(model: torch.nn.Module, forward_loop: Any, calib_func: Callable[..., Any], **kwargs: Any) -> Any:
+            def calibrate_layer(layer: torch.nn.Module, *args: Any, **kw: Any) -> Any:
+                if self.before_layer is not None:
+                    self.before_layer(layer)
+                return calib_func(layer, *args, **kw)
+
+            return original(model, forward_loop=forward_loop, calib_func=calibrate_layer, **kwargs)
+
+        mode.layerwise_calibrate = layerwise
+
+        def undo() -> None:
+            mode.layerwise_calibrate = original
 
         self._undo.append(undo)
 

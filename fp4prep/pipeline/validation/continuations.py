@@ -123,9 +123,19 @@ def _round_states(
 def _first_round(
     runs: Runs, prompts: list[list[int]], guesses: list[list[int]], extra: list[list[int]]
 ) -> tuple[list[torch.Tensor], list[int]]:
-    """The first round's run: the ``extra`` sequences, and each prompt with its guess unless one of
-    them starts with both (a held-back conversation and its answer). Returns every sequence's states
-    and, per prompt, the index of the sequence it was checked on."""
+    """The first round's run (``first_round_plan``). Returns every sequence's states and, per prompt,
+    the index of the sequence it was checked on."""
+    sequences, keep, source = first_round_plan(prompts, guesses, extra)
+    return runs.first(sequences, keep), source
+
+
+def first_round_plan(
+    prompts: list[list[int]], guesses: list[list[int]], extra: list[list[int]]
+) -> tuple[list[list[int]], dict[int, tuple[int, int]], list[int]]:
+    """What the first round runs: the ``extra`` sequences, and each prompt with its guess unless one
+    of them starts with both (a held-back conversation and its answer). Returns the sequences, the
+    keys and values to keep (per sequence a prompt starts: its prompt's length, and its prompt's and
+    guess's) and, per prompt, the index of the sequence it is checked on."""
     found: list[int | None] = []
     for p, g in zip(prompts, guesses, strict=True):  # each sequence continues one prompt at most
         found.append(next((j for j, s in enumerate(extra) if s[: len(p) + len(g)] == p + g and j not in found), None))
@@ -133,7 +143,7 @@ def _first_round(
     own = iter(range(len(extra), len(sequences)))
     source = [next(own) if j is None else j for j in found]
     keep = {j: (len(p), len(p) + len(g)) for j, p, g in zip(source, prompts, guesses, strict=True)}
-    return runs.first(sequences, keep), source
+    return sequences, keep, source
 
 
 def _guesses(pool: _Continuations, prompt: list[int], got: list[int], picks: list[int], n: int) -> list[list[int]]:

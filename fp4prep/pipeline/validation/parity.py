@@ -27,7 +27,7 @@ from ..errors import PipelineError
 from ..inputs.corpus import ParityExample
 from ..model import layer_walk
 from . import continuations
-from .prompt_cache import PromptCache, Runs, kv_budget, kv_bytes_per_token
+from .prompt_cache import FirstRun, PromptCache, Runs, kv_budget
 from .task import TaskSet
 
 # Teacher-forced parity runs the decoder over batches of at most this many tokens (all of them
@@ -71,20 +71,30 @@ def final_hidden_states(
     Sequences are batched shortest first, at most ``TOKENS_PER_PASS`` tokens a batch, so that little
     of a batch is padding. Each decoder layer runs every batch while it is in (``layer_walk``): on
     a streamed model, one read of every layer for the whole set. With ``cache``, the keys and values
-    of the prompts it keeps are kept too, and the decoder runs once per batch.
+    of the prompts it keeps are kept too.
     """
     device = _device(model)
-    everything = sequences + (alone or [])
-    batches = _batches(sequences) + [[len(sequences) + k] for k in range(len(alone or []))]
-    inputs = [padded([everything[j] for j in batch], device) for batch in batches]
+    everything, batches, inputs = batched(sequences, device, alone)
     if cache is None:
         hidden = layer_walk.final_states(model, inputs)
     else:
         assert not alone, "sequences run alone keep no keys and values"
-        hidden, decoder = [], model.get_decoder()
-        for batch, (ids, mask) in zip(batches, inputs, strict=True):
-            cache.recording(batch, device)
-            hidden.append(decoder(input_ids=ids, attention_mask=mask, cache=cache, use_cache=True).last_hidden_state)
+        hidden = layer_walk.final_states(model, inputs, cache, lambda b: cache.recording(batches[b], device))
+    return unbatched(everything, batches, hidden)
+
+
+def batched(
+    sequences: list[list[int]], device: torch.device, alone: list[list[int]] | None = None
+) -> tuple[list[list[int]], list[list[int]], list[tuple[torch.Tensor, torch.Tensor]]]:
+    """How ``final_hidden_states`` runs ``sequences`` and ``alone``: all of them, their indices in
+    batches, and each batch padded (ids, attention mask)."""
+    everything = sequences + (alone or [])
+    batches = _batches(sequences) + [[len(sequences) + k] for k in range(len(alone or []))]
+    return everything, batches, [padded([everything[j] for j in batch], device) for batch in batches]
+
+
+def unbatched(everything: list[list[int]], batches: list[list[int]], hidden: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Each sequence's states, out of its batch's (``batched``), without the padding."""
     states: list[torch.Tensor] = [torch.empty(0)] * len(everything)
     for batch, out in zip(batches, hidden, strict=True):
         for row, j in enumerate(batch):
@@ -212,13 +222,14 @@ def reference_of(
     continuation_tokens: int,
     report: Callable[[float], None] = lambda f: None,
     task: TaskSet | None = None,
+    done: FirstRun | None = None,
 ) -> Reference:
     """The BF16 model's greedy continuations of the held-back prompts and its final hidden states
     over everything candidates are compared on, in as few runs of the decoder as ``verified_greedy``
-    needs: the conversations and the task's answers run with its first round."""
-    fixed = [e.input_ids for e in examples] + (task.sequences if task else [])
-    prompts, drafts = [e.prompt_ids for e in examples], [continuations.draft(e) for e in examples]
-    found = verified_greedy(model, prompts, drafts, continuation_tokens, fixed, lambda f: report(0.9 * f))
+    needs: the conversations and the task's answers run with its first round, or with ``done``
+    where that round already ran (``first_round``)."""
+    fixed, prompts, drafts = _checked(examples, task)
+    found = verified_greedy(model, prompts, drafts, continuation_tokens, fixed, lambda f: report(0.9 * f), done)
     n = len(examples)
     states = found.alongside[:n] + found.states + found.alongside[n:]
     ref = Reference(model, examples, continuation_tokens, found.tokens, states, task)
@@ -229,6 +240,22 @@ def reference_of(
     return ref
 
 
+def _checked(examples: list[ParityExample], task: TaskSet | None) -> tuple[list[list[int]], list[list[int]], list[list[int]]]:
+    """What the BF16 side checks: the sequences run alongside (conversations, the task's answers),
+    the prompts and their drafts."""
+    fixed = [e.input_ids for e in examples] + (task.sequences if task else [])
+    return fixed, [e.prompt_ids for e in examples], [continuations.draft(e) for e in examples]
+
+
+def first_round_plan(
+    examples: list[ParityExample], continuation_tokens: int, task: TaskSet | None
+) -> tuple[list[list[int]], dict[int, tuple[int, int]]]:
+    """The sequences ``reference_of``'s first round runs and the keys and values it keeps."""
+    fixed, prompts, drafts = _checked(examples, task)
+    sequences, keep, _ = continuations.first_round_plan(prompts, [d[:continuation_tokens] for d in drafts], fixed)
+    return sequences, keep
+
+
 def verified_greedy(
     model: Any,
     prompts: list[list[int]],
@@ -236,9 +263,10 @@ def verified_greedy(
     n: int,
     alongside: list[list[int]] | None = None,
     report: Callable[[float], None] = lambda f: None,
+    done: FirstRun | None = None,
 ) -> continuations.Verified:
     """``continuations.verified_greedy`` on ``model``, run and read as everything here is."""
-    runs = Runs(model, final_hidden_states, kv_bytes_per_token(model), kv_budget(model))
+    runs = Runs(model, final_hidden_states, kv_budget(model), done)
     return continuations.verified_greedy(
         model, prompts, drafts, n, alongside, report, runs=runs, head_of=output_head, eos=end_of_turn(model)
     )

@@ -13,6 +13,7 @@ prompt continues from any row.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -63,8 +64,9 @@ class PromptCache(Cache):
     def recording(self, batch: list[int], device: torch.device) -> None:
         rows = [row for row, index in enumerate(batch) if index in self.keep]
         for row in rows:
-            self.slot_of[batch[row]] = len(self.lengths)
-            self.lengths.append(self.keep[batch[row]][0])
+            if batch[row] not in self.slot_of:  # a batch walked through the layers records at each
+                self.slot_of[batch[row]] = len(self.lengths)
+                self.lengths.append(self.keep[batch[row]][0])
         longest = max((self.keep[batch[row]][1] for row in rows), default=0)
         self.record = (torch.tensor(rows, dtype=torch.long, device=device), longest)
         self.read = None
@@ -178,20 +180,33 @@ class Runs:
     attends to its whole context in every layer; later rounds over the unconfirmed tokens alone
     after them, or, without a cache, over prompt, confirmed tokens and guess again."""
 
-    def __init__(self, model: Any, run: Callable[..., list[torch.Tensor]], bytes_per_token: int, budget: int) -> None:
-        self.model, self._run = model, run
-        self.bytes_per_token, self.budget = bytes_per_token, budget
+    def __init__(
+        self, model: Any, run: Callable[..., list[torch.Tensor]], budget: int, done: FirstRun | None = None
+    ) -> None:
+        self.model, self._run, self.budget = model, run, budget
+        self.done = done  # the first round, already run (in calibration's walk over the same model)
         self.cache: PromptCache | None = None
         self.prompts: dict[int, list[int]] = {}  # by first-round sequence: what later rounds continue
 
     def first(self, sequences: list[list[int]], keep: dict[int, tuple[int, int]]) -> list[torch.Tensor]:
         """Every sequence's final hidden states; ``keep`` maps a sequence's index to the length of
-        the prompt it starts with, which later rounds continue, and of the prompt and guess."""
-        held = len(keep) * max((n for _, n in keep.values()), default=0) * self.bytes_per_token
-        if held <= self.budget and full_attention(self.model.config):
-            self.cache = PromptCache(int(self.model.config.num_hidden_layers), keep)
+        the prompt it starts with, which later rounds continue, and of the prompt and guess. Where
+        ``done`` ran these sequences already, its states and kept keys and values."""
         self.prompts = {j: sequences[j][:length] for j, (length, _) in keep.items()}
+        if self.done is not None and self.done.sequences == sequences and self.done.keep == keep:
+            self.cache = self.done.cache
+            return self.done.states
+        self.cache = self.cache_for(self.model, keep, self.budget)
         return self._run(self.model, sequences, self.cache)
+
+    @staticmethod
+    def cache_for(model: Any, keep: dict[int, tuple[int, int]], budget: int) -> PromptCache | None:
+        """A cache for the tokens ``keep`` names, where they fit in ``budget`` bytes and the model
+        attends to its whole context in every layer."""
+        held = len(keep) * max((n for _, n in keep.values()), default=0) * kv_bytes_per_token(model)
+        if held <= budget and full_attention(model.config):
+            return PromptCache(int(model.config.num_hidden_layers), keep)
+        return None
 
     def then(self, rows: list[tuple[int, list[int]]]) -> list[torch.Tensor]:
         """For each ``(j, tokens)``: the final hidden states of ``tokens`` run after what the first
@@ -207,6 +222,17 @@ class Runs:
         self.prompts[j] = self.prompts[j] + tokens
         if self.cache is not None:
             self.cache.extend(self.cache.slot_of[j], len(tokens), row)
+
+
+@dataclass
+class FirstRun:
+    """A first round run before the checking starts: its sequences, what it kept (``Runs.first``),
+    each sequence's final hidden states and the kept keys and values."""
+
+    sequences: list[list[int]]
+    keep: dict[int, tuple[int, int]]
+    states: list[torch.Tensor]
+    cache: PromptCache | None
 
 
 def full_attention(config: Any) -> bool:
