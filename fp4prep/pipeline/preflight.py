@@ -125,12 +125,12 @@ def check_disk(
     # ModelOpt's per-layer checkpoint keeps the next layer's inputs (float32 at most).
     state = 2 * calibration_tokens * hidden * 4 + (64 << 20)
     if recipe.mutates_weights:
-        # The changed weights, in BF16, written back as each layer is calibrated; ModelOpt's
-        # per-layer checkpoint holds them too until calibration ends.
-        state += 2 * 2 * sum(weights.numel(n) for n in weights)
+        # The changed weights, in BF16, written back as each layer is calibrated.
+        state += 2 * sum(weights.numel(n) for n in weights)
     if recipe.static_weight_scales:
-        # Each calibrated layer's static block scales until export: FP32, one per 16 weights.
-        state += sum(weights.numel(n) for n in weights) // 4
+        # Each calibrated layer's static block scales until export (FP32, one per 16 weights), and
+        # again in ModelOpt's per-layer checkpoint of the quantizers until calibration ends.
+        state += 2 * (sum(weights.numel(n) for n in weights) // 4)
     work, out = _existing(work_dir), _existing(output_dir)
     # The checkpoint is written in the work directory and moved into place: on the same disk that
     # is a rename, on another a copy.

@@ -4,8 +4,8 @@ A run with ``work_dir`` set keeps its state there; a run with the same inputs an
 directory continues where the last one stopped (a dead worker, a requeued job, Ctrl-C), and a run
 with other inputs starts afresh. In stage order:
 
-- ``calibration/``: ModelOpt's per-layer checkpoint (each finished layer's quantizer state and the
-  next layer's inputs), with ``fold_factors/`` (what folding did to each layer's weights),
+- ``calibration/``: ModelOpt's per-layer checkpoint (each finished layer's quantizers and the next
+  layer's inputs; its weights, where calibration changed them, are in ``written/``), with ``fold_factors/`` (what folding did to each layer's weights),
   ``expert_tokens.json`` (the MoE routers' counts) and ``written/`` (the weights calibration
   changed, one file per tensor, read instead of the merged ones), ``block_scales/`` (each calibrated
   layer's static block scales, one file per layer, read again by export);
@@ -31,6 +31,9 @@ from .recipes import get_recipe, recipe_for
 
 if TYPE_CHECKING:
     from .device import Compute
+
+
+STATE_LAYOUT = 2
 
 
 class WorkDir:
@@ -112,6 +115,9 @@ def fingerprint(config: PipelineConfig, compute: Compute, calibration_sha256: st
 
     return {
         "fp4prep": fp4prep.__version__,
+        # What the state holds: 2 since ModelOpt's per-layer checkpoint keeps quantizers only (the
+        # changed weights are in written/); a directory from before starts afresh.
+        "state": STATE_LAYOUT,
         "activation_arithmetic": f"vLLM {VLLM_VERSION}",  # what calibration's quantized inputs follow
         "base": str(config.base_dir.resolve()),
         "adapter": str(config.adapter_dir.resolve()) if config.adapter_dir else None,

@@ -139,6 +139,38 @@ def test_a_run_stopped_midway_resumes_and_writes_the_same_checkpoint_bytes(
     assert list(work.iterdir()) == []  # a finished run leaves nothing to resume
 
 
+def test_calibration_writes_each_changed_weight_once_and_checkpoints_only_the_quantizers(
+    tmp_path: Path, tokenizer_dir: Path, calibration_file: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A layer's changed weights go to written/ before ModelOpt commits the layer, once each;
+    # ModelOpt's per-layer checkpoint keeps the quantizers, not another copy of the weights.
+    import safetensors.torch
+
+    base = six_layer_base(tmp_path / "base", tokenizer_dir)
+    adapter = save_adapter(base, tmp_path / "adapter", targets=["q_proj", "o_proj"], b_scale=0.05)
+    saves: dict[str, int] = {}
+    save_file = safetensors.torch.save_file
+
+    def counted(tensors: Any, filename: str, *args: Any, **kwargs: Any) -> Any:
+        path = Path(filename)
+        if path.parent.name == "written":
+            saves[path.stem] = saves.get(path.stem, 0) + 1
+        return save_file(tensors, filename, *args, **kwargs)
+
+    monkeypatch.setattr(safetensors.torch, "save_file", counted)
+    work = tmp_path / "work"
+    progress, should_cancel = cancel_at("calibrating", 0.8)  # the last layers: the others' state kept
+    with pytest.raises(Cancelled):
+        run_tiny(base, tmp_path / "out", work_dir=work, adapter_dir=adapter, calibration_file=calibration_file,
+                 progress=progress, should_cancel=should_cancel)
+    layers = sorted((work / "calibration").glob("layer_*"))
+    assert len(layers) >= 4, layers
+    for layer in layers:
+        assert (layer / "quantizer_buffers.pt").is_file() and not (layer / "weights.pt").exists()
+    written = {p.stem for p in (work / "written").glob("*.safetensors")}
+    assert written and set(saves) == written and set(saves.values()) == {1}, saves
+
+
 def test_a_layer_cut_short_is_calibrated_again_from_its_merged_weights(
     tmp_path: Path, tokenizer_dir: Path, calibration_file: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

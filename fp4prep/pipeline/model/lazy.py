@@ -129,9 +129,9 @@ class WrittenBack(MutableMapping[str, torch.Tensor]):
     offloaded again without the model ever being held whole.
 
     accelerate writes a tensor back only under a key the store already has, converted to that
-    entry's device and dtype; every tensor of the map counts as present, and one not written yet
-    reads as an empty tensor of the map's dtype on its device (all accelerate takes from it).
-    The directory belongs to the run: a resumed run finds what it wrote.
+    entry's device and dtype; every tensor of the map counts as present, and reads here as an empty
+    tensor of the map's dtype on its device (all accelerate takes from it; written tensors are read
+    through the map, ``load``). The directory belongs to the run: a resumed run finds what it wrote.
     """
 
     def __init__(self, weights: LazyWeights, directory: Path) -> None:
@@ -139,6 +139,8 @@ class WrittenBack(MutableMapping[str, torch.Tensor]):
         self.directory = directory
         directory.mkdir(parents=True, exist_ok=True)
         self._written = {p.stem for p in directory.glob("*.safetensors")}
+        self._fresh: set[str] = set()  # written ahead (``ahead``), not yet by their window
+        self._ahead = False
 
     def _path(self, name: str) -> Path:
         return self.directory / f"{name}.safetensors"
@@ -157,15 +159,31 @@ class WrittenBack(MutableMapping[str, torch.Tensor]):
         return name in self.weights
 
     def __getitem__(self, name: str) -> torch.Tensor:
-        if self.holds(name):
-            return self.load(name)
+        # What writing back takes from an entry: its device and dtype. The model reads written
+        # tensors through the map (``load``), never here.
         return torch.empty(0, dtype=self.weights.dtype, device=self.weights.device)
+
+    @contextlib.contextmanager
+    def ahead(self) -> Iterator[None]:
+        """Inside, tensors are written ahead of their window's own writeback, which then skips them
+        (they have not changed since): a layer's changed weights are on disk before ModelOpt commits
+        the layer, and written once."""
+        self._ahead = True
+        try:
+            yield
+        finally:
+            self._ahead = False
 
     def __setitem__(self, name: str, tensor: torch.Tensor) -> None:
         import os
 
         from safetensors.torch import save_file
 
+        if name in self._fresh and not self._ahead:
+            self._fresh.discard(name)
+            return
+        if self._ahead:
+            self._fresh.add(name)
         path = self._path(name)
         tmp = path.with_suffix(".tmp")
         # Rounded to BF16 as it is kept: the merged model's weights are BF16, what is exported is

@@ -7,7 +7,10 @@
 - ModelOpt's weight windows on a decoder layer, which also bring in and take out its block scales
   once calibration kept them on disk (``keep_block_scales``, ``block_scales.BlockScales``).
 - ModelOpt's layerwise calibration, which hands each decoder layer, its weights in place and not
-  yet changed, to ``before_layer`` where it is set (validation's first round runs there).
+  yet changed, to ``before_layer`` where it is set (validation's first round runs there); where
+  calibration changes weights, writes them back before it commits the layer, and keeps only the
+  quantizers in its per-layer checkpoint (the weights are in the run's written-back store, and
+  were written a second time there, in full, for a resume).
 - ModelOpt's static NVFP4 fake-quant kernel (Triton, called directly by quantizers with static block
   scales, whatever their backend) replaced by ``numerics.static_nvfp4_fake_quant``, the arithmetic
   the checkpoint holds: from the start without Triton, and after calibration on CUDA, where the
@@ -118,18 +121,35 @@ class Session:
 
         original = mode.layerwise_calibrate
 
+        from modelopt.torch.quantization import model_calib
+
+        original = mode.layerwise_calibrate
+        checkpoint_state = model_calib._CheckpointState
+
+        class QuantizersOnly(checkpoint_state):  # type: ignore[misc, valid-type]
+            @classmethod
+            def from_folder(cls, checkpoint_dir: Any, num_layers: int, save_every: int = 1, **_: Any) -> Any:
+                return super().from_folder(checkpoint_dir, num_layers, save_every=save_every, calib_mutates_weights=False)
+
         def layerwise(model: torch.nn.Module, forward_loop: Any, calib_func: Callable[..., Any], **kwargs: Any) -> Any:
+            mutates = kwargs.get("calib_mutates_weights", True)
+
             def calibrate_layer(layer: torch.nn.Module, *args: Any, **kw: Any) -> Any:
                 if self.before_layer is not None:
                     self.before_layer(layer)
-                return calib_func(layer, *args, **kw)
+                done = calib_func(layer, *args, **kw)
+                if mutates:
+                    _write_back_now(layer)
+                return done
 
             return original(model, forward_loop=forward_loop, calib_func=calibrate_layer, **kwargs)
 
         mode.layerwise_calibrate = layerwise
+        model_calib._CheckpointState = QuantizersOnly
 
         def undo() -> None:
             mode.layerwise_calibrate = original
+            model_calib._CheckpointState = checkpoint_state
 
         self._undo.append(undo)
 
@@ -175,6 +195,35 @@ def _descriptor(session: Session) -> type:
         _calib_func = session.run_layer
 
     return Descriptor
+
+
+def _write_back_now(layer: torch.nn.Module) -> None:
+    """Write the layer's weights back to the store its offload hooks read from, as the window that
+    holds them will when it closes; where the store writes ahead (``lazy.WrittenBack.ahead``), that
+    later writeback skips them."""
+    from modelopt.torch.quantization.plugins.accelerate import _writeback_params_to_weights_map
+
+    for module in layer.modules():
+        hook = _align_hook(getattr(module, "_hf_hook", None))
+        if hook is None:
+            continue
+        store: Any = getattr(hook.weights_map, "dataset", None)
+        store = getattr(store, "state_dict", None)
+        ahead = store.ahead() if hasattr(store, "ahead") else contextlib.nullcontext()
+        with ahead:
+            _writeback_params_to_weights_map(module, hook)
+
+
+def _align_hook(hook: Any) -> Any:
+    """The accelerate hook that loads a module's weights from a map (its ``offload`` flag is off
+    while a window holds them, so ModelOpt's own lookup does not find it then)."""
+    from accelerate.hooks import AlignDevicesHook, SequentialHook
+
+    if isinstance(hook, AlignDevicesHook) and hook.weights_map is not None:
+        return hook
+    if isinstance(hook, SequentialHook):
+        return next((h for h in map(_align_hook, hook.hooks) if h is not None), None)
+    return None
 
 
 def _triton_available() -> bool:
