@@ -117,16 +117,11 @@ class Session:
     def _wrap_layerwise(self) -> None:
         """ModelOpt's layerwise calibration calls ``before_layer`` with each decoder layer before
         the layer's calibration (whatever the algorithm), inside the window that holds its weights."""
-        from modelopt.torch.quantization import mode
+        from modelopt.torch.quantization import mode, model_calib
 
         original = mode.layerwise_calibrate
 
-        from modelopt.torch.quantization import model_calib
-
-        original = mode.layerwise_calibrate
-        checkpoint_state = model_calib._CheckpointState
-
-        class QuantizersOnly(checkpoint_state):  # type: ignore[misc, valid-type]
+        class QuantizersOnly(model_calib._CheckpointState):  # type: ignore[misc, name-defined]
             @classmethod
             def from_folder(cls, checkpoint_dir: Any, num_layers: int, save_every: int = 1, **_: Any) -> Any:
                 return super().from_folder(checkpoint_dir, num_layers, save_every=save_every, calib_mutates_weights=False)
@@ -144,29 +139,22 @@ class Session:
 
             return original(model, forward_loop=forward_loop, calib_func=calibrate_layer, **kwargs)
 
-        mode.layerwise_calibrate = layerwise
-        model_calib._CheckpointState = QuantizersOnly
+        self._patch(mode, "layerwise_calibrate", layerwise)
+        self._patch(model_calib, "_CheckpointState", QuantizersOnly)
 
-        def undo() -> None:
-            mode.layerwise_calibrate = original
-            model_calib._CheckpointState = checkpoint_state
-
-        self._undo.append(undo)
+    def _patch(self, owner: Any, name: str, value: Any) -> None:
+        """``owner.name = value`` until the session ends."""
+        original = getattr(owner, name)
+        setattr(owner, name, value)
+        self._undo.append(lambda: setattr(owner, name, original))
 
     def _swap_static_kernel(self) -> None:
         from modelopt.torch.quantization.nn.modules import tensor_quantizer as tq
 
         if self._kernel_swapped:
             return
-        original = tq.static_blockwise_fp4_fake_quant
-        tq.static_blockwise_fp4_fake_quant = static_nvfp4_fake_quant
-        self._kernel_swapped = True
-
-        def undo() -> None:
-            tq.static_blockwise_fp4_fake_quant = original
-            self._kernel_swapped = False
-
-        self._undo.append(undo)
+        self._patch(tq, "static_blockwise_fp4_fake_quant", static_nvfp4_fake_quant)
+        self._patch(self, "_kernel_swapped", True)
 
     def run_layer(self, layer: torch.nn.Module, forward_loop: Callable[[torch.nn.Module], None], **_: Any) -> None:
         if self.layer_pass is None:
