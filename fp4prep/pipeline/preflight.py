@@ -81,7 +81,8 @@ def check_memory(
     calibration_tokens: int,
     recipe: Recipe | None = None,
     sequence_length: int = 512,
-) -> None:
+) -> int:
+    """Refuse when one decoder layer's calibration can't fit the device; returns what it needs there."""
     layers = streaming.layer_bytes(model, weights, compute.dtype)
     largest = max(layers)
     resident = streaming.resident_bytes(model, compute.dtype)
@@ -115,6 +116,7 @@ def check_memory(
                 f"this machine's memory can't stage one decoder layer for {compute.device}: that "
                 f"needs about {format_bytes(host_need)} and {format_bytes(host_free)} is free"
             )
+    return need
 
 
 def check_disk(

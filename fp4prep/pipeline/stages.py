@@ -27,7 +27,7 @@ from . import device as device_mod
 from . import preflight, serving
 from .algorithms.mixed import GroupError
 from .calibrate import Calibrated, calibrate
-from .config import EVAL_FILE, ParityReport, PipelineConfig, PipelineResult, ServingReport, TaskReport
+from .config import ParityReport, PipelineConfig, PipelineResult, ServingReport, TaskReport
 from .errors import Cancelled, InternalError, PipelineError, UserError
 from .export import export, model_card
 from .export.reference import ReloadReference
@@ -66,6 +66,7 @@ class _Run:
     tokenizer: Any = None
     model: Any = None
     bf16_bytes: int = 0
+    calibration_bytes: int = 0  # what calibrating one layer needs on the device (``preflight``)
     corpus: corpus_mod.Corpus | None = None
     calibrated: Calibrated | None = None
     scales: BlockScales | None = None
@@ -160,7 +161,9 @@ def _merge(state: _Run) -> None:
         state.model = streaming.skeleton(base_config, state.merged, compute, config.base_dir)
         state.bf16_bytes = 2 * sum(state.merged.numel(n) for n in state.merged)
         tokens = _total_tokens(config)
-        preflight.check_memory(state.model, state.merged, compute, tokens, state.recipe, config.sequence_length)
+        state.calibration_bytes = preflight.check_memory(
+            state.model, state.merged, compute, tokens, state.recipe, config.sequence_length
+        )
         hidden = int(state.model.config.hidden_size)
         preflight.check_disk(state.merged, state.recipe, state.work.root, config.output_dir, hidden, tokens)
         streaming.attach(state.model, state.merged, compute)
@@ -198,7 +201,9 @@ def _calibrate(state: _Run) -> None:
         state.scales = state.session.keep_block_scales(state.model, work.block_scales)
         # Validation's first round rides along where calibration walks every layer (not resumed).
         task_set = _task_set(config, state.tokenizer, state.model)
-        walk = first_round.prepare(state.model, state.corpus.parity, config.continuation_tokens, task_set) if not start else None
+        walk = None if start else first_round.prepare(
+            state.model, state.corpus.parity, config.continuation_tokens, task_set, state.calibration_bytes
+        )
         state.calibrated = calibrate(
             state.model, state.recipe, state.corpus.sequences, state.compute, state.session,
             state.progress.sub(0.1, 1.0), work, walk.layer if walk is not None else None,
@@ -331,8 +336,7 @@ def _bf16_side(state: _Run, bf16_model: Any, report: Callable[[float], None]) ->
 
 def _task_set(config: PipelineConfig, tokenizer: Any, model: Any) -> task_mod.TaskSet | None:
     """The adapter's evaluation prompts (``config.eval_file``, else the adapter's own), if any."""
-    eval_file = config.eval_file or _adapter_eval_file(config.adapter_dir)
-    return task_mod.load(eval_file, tokenizer, parity.end_of_turn(model)) if eval_file else None
+    return task_mod.of_adapter(config.eval_file, config.adapter_dir, tokenizer, parity.end_of_turn(model))
 
 
 def _behaviour(
@@ -391,10 +395,3 @@ def _tokenizer(base_dir: Path) -> Any:
     if not tokenizer.chat_template:
         raise UserError(f"{base_dir} has no chat template: conversations can't be rendered")
     return tokenizer
-
-
-def _adapter_eval_file(adapter_dir: Path | None) -> Path | None:
-    if adapter_dir is None:
-        return None
-    path = adapter_dir / EVAL_FILE
-    return path if path.is_file() else None

@@ -48,6 +48,7 @@ def test_calibration_runs_validations_first_round_to_the_bit(
 
     model = streamed()
     cases = examples(model.config.vocab_size)
+    assert first_round.prepare(model, cases, 6, None, beside=1 << 50) is None  # no room beside calibration
     walk = first_round.prepare(model, cases, 6, None)
     assert walk is not None
     generator = torch.Generator().manual_seed(1)

@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from ..device import available_memory
 from ..inputs.corpus import ParityExample
 from ..model.layer_walk import Walk
 from . import parity
@@ -52,12 +53,16 @@ class FirstRound:
         return FirstRun(self.sequences, self.keep, states, self.cache)
 
 
-def prepare(model: Any, examples: list[ParityExample], continuation_tokens: int, task: TaskSet | None) -> FirstRound | None:
-    """The first round ``parity.reference_of`` would run for ``examples`` and ``task``, ready to walk;
-    None where its states and kept keys and values would not fit the memory the cache may take
-    (validation then runs it itself)."""
+def prepare(
+    model: Any, examples: list[ParityExample], continuation_tokens: int, task: TaskSet | None, beside: int = 0
+) -> FirstRound | None:
+    """The first round ``parity.reference_of`` would run for ``examples`` and ``task``, ready to walk
+    beside a calibration that needs ``beside`` bytes of the device: its states, and its kept keys
+    and values where they fit too, each in what validation's cache may take and in a half of what
+    calibration leaves free. None where the states do not fit (validation then runs the round)."""
     sequences, keep = parity.first_round_plan(examples, continuation_tokens, task)
-    budget = kv_budget(model)
+    spare = (available_memory(next(model.parameters()).device) - beside) // 2
+    budget = max(0, min(kv_budget(model), spare))
     size = int(model.config.hidden_size) * next(model.parameters()).element_size()  # one token's states
     if sum(len(s) for s in sequences) * size > budget:
         return None

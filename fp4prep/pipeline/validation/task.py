@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from ...text import clip, parse_json
+from ..config import EVAL_FILE
 from ..errors import UserError
 
 # Evaluation prompts scored per run: the first this many of the file.
@@ -49,6 +50,14 @@ class TaskSet:
     def success(self, states: list[torch.Tensor], head: Callable[[torch.Tensor], torch.Tensor]) -> float:
         hits = self.hits(states, head)
         return sum(hits) / len(hits) if hits else 0.0
+
+
+def of_adapter(eval_file: Path | None, adapter_dir: Path | None, tokenizer: Any, end: set[int]) -> TaskSet | None:
+    """The prompts of ``eval_file``, else of the adapter's own (``EVAL_FILE`` beside its weights),
+    if either is there; ``end`` are the tokens that end the model's turn."""
+    if eval_file is None and adapter_dir is not None and (adapter_dir / EVAL_FILE).is_file():
+        eval_file = adapter_dir / EVAL_FILE
+    return load(eval_file, tokenizer, end) if eval_file is not None else None
 
 
 def load(eval_file: Path, tokenizer: Any, end: set[int], limit: int = LIMIT) -> TaskSet | None:
