@@ -8,9 +8,9 @@
   once calibration kept them on disk (``keep_block_scales``, ``block_scales.BlockScales``).
 - ModelOpt's layerwise calibration, which hands each decoder layer, its weights in place and not
   yet changed, to ``before_layer`` where it is set (validation's first round runs there); where
-  calibration changes weights, writes them back before it commits the layer, and keeps only the
-  quantizers in its per-layer checkpoint (the weights are in the run's written-back store, and
-  were written a second time there, in full, for a resume).
+  calibration changes weights, writes them back to the run's store before it commits the layer,
+  and keeps only the quantizers in its per-layer checkpoint (a resume reads the weights from the
+  store: no second copy of them is written).
 - ModelOpt's static NVFP4 fake-quant kernel (Triton, called directly by quantizers with static block
   scales, whatever their backend) replaced by ``numerics.static_nvfp4_fake_quant``, the arithmetic
   the checkpoint holds: from the start without Triton, and after calibration on CUDA, where the
@@ -116,7 +116,8 @@ class Session:
 
     def _wrap_layerwise(self) -> None:
         """ModelOpt's layerwise calibration calls ``before_layer`` with each decoder layer before
-        the layer's calibration (whatever the algorithm), inside the window that holds its weights."""
+        the layer's calibration (whatever the algorithm), inside the window that holds its weights;
+        writes changed weights back before the layer is committed; checkpoints quantizers only."""
         from modelopt.torch.quantization import mode, model_calib
 
         original = mode.layerwise_calibrate
