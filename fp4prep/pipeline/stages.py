@@ -200,9 +200,9 @@ def _calibrate(state: _Run) -> None:
             _note(config, f"Resuming calibration at layer {start + 1} of {layers}: an earlier run finished layers 1-{start}")
         state.scales = state.session.keep_block_scales(state.model, work.block_scales)
         # Validation's first round rides along where calibration walks every layer (not resumed).
-        task_set = _task_set(config, state.tokenizer, state.model)
         walk = None if start else first_round.prepare(
-            state.model, state.corpus.parity, config.continuation_tokens, task_set, state.calibration_bytes
+            state.model, state.corpus.parity, config.continuation_tokens,
+            _task_set(config, state.tokenizer, state.model), state.calibration_bytes,
         )
         state.calibrated = calibrate(
             state.model, state.recipe, state.corpus.sequences, state.compute, state.session,

@@ -5,10 +5,11 @@ directory continues where the last one stopped (a dead worker, a requeued job, C
 with other inputs starts afresh. In stage order:
 
 - ``calibration/``: ModelOpt's per-layer checkpoint (each finished layer's quantizers and the next
-  layer's inputs; its weights, where calibration changed them, are in ``written/``), with ``fold_factors/`` (what folding did to each layer's weights),
-  ``expert_tokens.json`` (the MoE routers' counts) and ``written/`` (the weights calibration
-  changed, one file per tensor, read instead of the merged ones), ``block_scales/`` (each calibrated
-  layer's static block scales, one file per layer, read again by export);
+  layer's inputs; its weights, where calibration changed them, are in ``written/``), with
+  ``fold_factors/`` (what folding did to each layer's weights), ``expert_tokens.json`` (the MoE
+  routers' counts) and ``written/`` (the weights calibration changed, one file per tensor, read
+  instead of the merged ones), ``block_scales/`` (each calibrated layer's static block scales, one
+  file per layer, read again by export);
 - ``calibrated.pt``: every quantizer once calibration is done (the per-layer files then go);
 - ``out/`` and ``exported``: the checkpoint, and the mark that its export finished.
 
