@@ -10,7 +10,8 @@
   yet changed, to ``before_layer`` where it is set (validation's first round runs there); where
   calibration changes weights, writes them back to the run's store before it commits the layer,
   and keeps only the quantizers in its per-layer checkpoint (a resume reads the weights from the
-  store: no second copy of them is written).
+  store: no second copy of them is written); the next layer's inputs are the outputs of the layer's
+  max-calibration pass, not of one more run of it (``next_inputs.NextInputs``).
 - ModelOpt's static NVFP4 fake-quant kernel (Triton, called directly by quantizers with static block
   scales, whatever their backend) replaced by ``numerics.static_nvfp4_fake_quant``, the arithmetic
   the checkpoint holds: from the start without Triton, and after calibration on CUDA, where the
@@ -34,6 +35,7 @@ from ..device import Compute
 from ..formats.numerics import static_nvfp4_fake_quant
 from . import backend
 from .block_scales import BlockScales
+from .next_inputs import NextInputs
 
 METHOD = "fp4prep"
 # A decoder layer and the function that replays its calibration inputs through it.
@@ -117,8 +119,10 @@ class Session:
     def _wrap_layerwise(self) -> None:
         """ModelOpt's layerwise calibration calls ``before_layer`` with each decoder layer before
         the layer's calibration (whatever the algorithm), inside the window that holds its weights;
-        writes changed weights back before the layer is committed; checkpoints quantizers only."""
+        writes changed weights back before the layer is committed; checkpoints quantizers only;
+        captures the next layer's inputs from the layer's first calibration pass."""
         from modelopt.torch.quantization import mode, model_calib
+        from modelopt.torch.quantization.utils.layerwise_calib import LayerActivationCollector
 
         original = mode.layerwise_calibrate
 
@@ -129,16 +133,29 @@ class Session:
 
         def layerwise(model: torch.nn.Module, forward_loop: Any, calib_func: Callable[..., Any], **kwargs: Any) -> Any:
             mutates = kwargs.get("calib_mutates_weights", True)
+            collector = LayerActivationCollector
+            capture = collector.cache_outputs_for_next_layer_calib
+            next_inputs = NextInputs(capture) if not kwargs.get("get_qdq_activations_from_prev_layer") else None
 
-            def calibrate_layer(layer: torch.nn.Module, *args: Any, **kw: Any) -> Any:
+            def calibrate_layer(layer: torch.nn.Module, replay: Any, *args: Any, **kw: Any) -> Any:
                 if self.before_layer is not None:
                     self.before_layer(layer)
-                done = calib_func(layer, *args, **kw)
+                if next_inputs is not None:
+                    replay = next_inputs.recording(layer, replay)
+                done = calib_func(layer, replay, *args, **kw)
                 if mutates:
                     _write_back_now(layer)
+                if next_inputs is not None:
+                    next_inputs.fill(layer)
                 return done
 
-            return original(model, forward_loop=forward_loop, calib_func=calibrate_layer, **kwargs)
+            if next_inputs is not None:
+                defer = next_inputs.defer
+                collector.cache_outputs_for_next_layer_calib = lambda getter, layer, loop: defer(getter, layer, loop)  # type: ignore[method-assign, assignment]
+            try:
+                return original(model, forward_loop=forward_loop, calib_func=calibrate_layer, **kwargs)
+            finally:
+                collector.cache_outputs_for_next_layer_calib = capture  # type: ignore[method-assign]
 
         self._patch(mode, "layerwise_calibrate", layerwise)
         self._patch(model_calib, "_CheckpointState", QuantizersOnly)
