@@ -57,7 +57,7 @@ def _safe_reciprocal(x: torch.Tensor) -> torch.Tensor:
     return 1.0 / (x + (x == 0) * 1e8)
 
 
-@compiled
+@compiled(rows_vary=True)
 def nvfp4_activations(x: torch.Tensor, global_scale: torch.Tensor, block_size: int = 16) -> torch.Tensor:
     """An NVFP4 layer's input as the engine quantizes and dequantizes it, in ``x``'s dtype.
 

@@ -50,7 +50,7 @@ def nvfp4_scales(
     return per_block, scale_2
 
 
-@compiled
+@compiled(rows_vary=True)
 def nvfp4_fake_quant(x: torch.Tensor, block_size: int, global_amax: torch.Tensor) -> torch.Tensor:
     """NVFP4 quantize-dequantize: E2M1 values, E4M3 scale per block, FP32 global scale."""
     per_block, scale_2 = nvfp4_scales(x, block_size, global_amax)
@@ -111,7 +111,7 @@ def mxfp4_exponents(x: torch.Tensor, block_size: int) -> torch.Tensor:
     return torch.ceil(torch.maximum(torch.log2(block_amax / E2M1_MAX), floor))
 
 
-@compiled
+@compiled(rows_vary=True)
 def mxfp4_fake_quant(x: torch.Tensor, block_size: int) -> torch.Tensor:
     """MXFP4 quantize-dequantize: E2M1 values with a power-of-two (E8M0) scale per block."""
     step = torch.exp2(mxfp4_exponents(x, block_size)).unsqueeze(-1)
