@@ -2,7 +2,8 @@
 
 Calibration searches (AWQ's alphas) and every quantized forward of validation fake-quantize each
 activation and weight they touch; in eager torch that costs as much as the matmul it feeds. Prints
-values per second for each path and format, the matmul beside them, and the one-off compile time.
+values per second for each path, format and dtype (FP32, and BF16 as a layer computes where the CPU
+multiplies it natively), the matmul beside them, and the one-off compile time.
 
     .venv/bin/python benchmarks/fake_quant_speed.py [--tokens 2048] [--features 576]
 """
@@ -20,7 +21,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from fp4prep.pipeline.formats import numerics  # noqa: E402
+from fp4prep.pipeline.formats import engine, numerics  # noqa: E402
 
 
 def seconds(fn: Callable[[], object], repeat: int = 10) -> float:
@@ -49,15 +50,20 @@ def main() -> None:
     if not (numerics.nvfp4_fake_quant.available and numerics.mxfp4_fake_quant.available):
         print("compiling is unavailable here: both rows below are eager")
 
-    cases: dict[str, tuple[Callable[..., torch.Tensor], tuple[object, ...]]] = {
-        "nvfp4": (numerics.nvfp4_fake_quant, (16, amax)),
-        "mxfp4": (numerics.mxfp4_fake_quant, (32,)),
-    }
-    print("\n| format | eager | compiled | speed-up |\n|---|---|---|---|")
-    for name, (fn, rest) in cases.items():
-        eager = seconds(partial(fn.eager, x, *rest))  # type: ignore[attr-defined]
-        compiled = seconds(partial(fn, x, *rest))
-        print(f"| {name} | {x.numel() / eager / 1e6:.0f} M values/s | {x.numel() / compiled / 1e6:.0f} M values/s | {eager / compiled:.1f}x |")
+    global_scale = engine.nvfp4_global_scale_of(amax)
+    print("\n| format | dtype | eager | compiled | speed-up |\n|---|---|---|---|---|")
+    for dtype in (torch.float32, torch.bfloat16):
+        values = x.to(dtype)
+        cases: dict[str, tuple[Callable[..., torch.Tensor], tuple[object, ...]]] = {
+            "nvfp4": (numerics.nvfp4_fake_quant, (16, amax)),
+            "mxfp4": (numerics.mxfp4_fake_quant, (32,)),
+            "nvfp4 inputs (the engine's)": (engine.nvfp4_activations, (global_scale, 16)),
+        }
+        for name, (fn, rest) in cases.items():
+            eager = seconds(partial(fn.eager, values, *rest))  # type: ignore[attr-defined]
+            compiled = seconds(partial(fn, values, *rest))
+            rates = f"{x.numel() / eager / 1e6:.0f} M values/s | {x.numel() / compiled / 1e6:.0f} M values/s"
+            print(f"| {name} | {str(dtype).removeprefix('torch.')} | {rates} | {eager / compiled:.1f}x |")
     matmul = seconds(lambda: x @ weight.T)
     print(f"\nfor scale: the matmul this activation feeds ({weight.shape[0]} outputs) takes {matmul * 1e3:.1f} ms")
 

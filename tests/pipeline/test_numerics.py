@@ -65,6 +65,31 @@ def test_the_compiled_path_compiles_here_and_equals_eager_on_activations() -> No
     assert numerics.nvfp4_fake_quant.available and numerics.mxfp4_fake_quant.available, "compiling fell back to eager torch"
 
 
+def test_compiled_quantization_compiles_once_per_width_and_dtype_not_per_row_count() -> None:
+    # Rows vary from call to call (tokens, a projection's outputs) without a new graph; each width
+    # gets its own, whose block loop the compiler sees whole. Values equal eager torch's throughout.
+    from torch._dynamo.utils import counters
+
+    torch.manual_seed(2)
+
+    def graphs() -> int:
+        return int(counters["stats"]["unique_graphs"])
+
+    amax = torch.tensor(3.0)
+    first = torch.randn(911, 640, dtype=torch.bfloat16)
+    assert torch.equal(numerics.nvfp4_fake_quant(first, 16, amax), NVFP4["eager"](first, 16, amax))
+    before = graphs()
+    for rows in (1023, 4097, 513):  # each big enough to compile
+        x = torch.randn(rows, 640, dtype=torch.bfloat16)
+        assert x.numel() >= compiled.MIN_VALUES
+        assert torch.equal(numerics.nvfp4_fake_quant(x, 16, amax), NVFP4["eager"](x, 16, amax))
+    assert graphs() == before
+    wider = torch.randn(700, 1536, dtype=torch.bfloat16)
+    assert torch.equal(numerics.nvfp4_fake_quant(wider, 16, amax), NVFP4["eager"](wider, 16, amax))
+    assert graphs() == before + 1
+    assert numerics.nvfp4_fake_quant.available
+
+
 def test_nvfp4_uses_a_calibrated_global_amax_not_the_tensors_own() -> None:
     x = tensors()[0]
     calibrated = x.abs().amax() * 3.7

@@ -77,7 +77,7 @@ class NextInputs:
                 "before changing it: the next layer's inputs are unknown"
             )
         previous = layer._original_forward
-        layer._original_forward = lambda *_args, **_kwargs: pending.outputs.popleft()
+        layer._original_forward = lambda *_args, **_kwargs: pending.outputs.popleft()  # type: ignore[assignment]
         try:
             pending.inputs.extend(self.capture(pending.collector, layer, pending.forward_loop))
         finally:
