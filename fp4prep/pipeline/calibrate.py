@@ -121,9 +121,9 @@ def _check_coverage(counter: ExpertCounter) -> None:
 class ExpertCounter:
     """Counts, per MoE layer, the calibration tokens routed to each expert.
 
-    Layerwise calibration runs each layer over the corpus more than once (to capture the next
-    layer's inputs, then to calibrate), so a layer's first pass, ``batches`` router calls, is
-    counted and the rest ignored. Finished layers are written to ``path`` so a resumed run keeps
+    Calibration may run a layer over the corpus more than once (GPTQ's further chunks of experts,
+    ModelOpt's own capture of the next layer's inputs where it runs), so a layer's first pass,
+    ``batches`` router calls, is counted and the rest ignored. Finished layers are written to ``path`` so a resumed run keeps
     the counts of the layers it does not run again.
     """
 
