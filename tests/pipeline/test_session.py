@@ -19,11 +19,13 @@ from .test_streaming import checkpoint_bytes
 def modelopt_state() -> dict[str, Any]:
     from modelopt.torch.quantization.mode import CalibrateModeRegistry
     from modelopt.torch.quantization.nn.modules import tensor_quantizer as tq
+    from modelopt.torch.quantization.utils.layerwise_calib import LayerActivationCollector
 
     return {
         "backends": {n: tq._QUANT_FUNCTIONAL_BACKENDS.get(n) for n in (backend.NAME, backend.INPUTS)},
         "algorithm": f"{METHOD}_calibrate" in CalibrateModeRegistry,
         "static kernel": tq.static_blockwise_fp4_fake_quant,
+        "next layer's capture": LayerActivationCollector.cache_outputs_for_next_layer_calib,
     }
 
 

@@ -78,7 +78,8 @@ class Group:
 
     def observe(self, x: torch.Tensor) -> None:
         x = x.detach().reshape(-1, x.shape[-1])
-        abs_sum, amax = x.float().abs().sum(0), x.float().abs().amax(0)
+        magnitude = x.float().abs()
+        abs_sum, amax = magnitude.sum(0), magnitude.amax(0)
         self.abs_sum = abs_sum if self.abs_sum is None else self.abs_sum + abs_sum
         self.amax = amax if self.amax is None else torch.maximum(self.amax, amax)
         self.tokens += x.shape[0]

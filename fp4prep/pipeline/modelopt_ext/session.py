@@ -131,10 +131,11 @@ class Session:
             def from_folder(cls, checkpoint_dir: Any, num_layers: int, save_every: int = 1, **_: Any) -> Any:
                 return super().from_folder(checkpoint_dir, num_layers, save_every=save_every, calib_mutates_weights=False)
 
+        collector = LayerActivationCollector
+        capture = collector.cache_outputs_for_next_layer_calib  # ModelOpt's own, whatever a call patches
+
         def layerwise(model: torch.nn.Module, forward_loop: Any, calib_func: Callable[..., Any], **kwargs: Any) -> Any:
             mutates = kwargs.get("calib_mutates_weights", True)
-            collector = LayerActivationCollector
-            capture = collector.cache_outputs_for_next_layer_calib
             next_inputs = NextInputs(capture) if not kwargs.get("get_qdq_activations_from_prev_layer") else None
 
             def calibrate_layer(layer: torch.nn.Module, replay: Any, *args: Any, **kw: Any) -> Any:
@@ -149,13 +150,16 @@ class Session:
                     next_inputs.fill(layer)
                 return done
 
+            # Where sessions nest, the innermost call (the first session's) is the one ModelOpt's
+            # capture reaches; the others' calibrate_layer find nothing deferred and pass through.
+            previous = collector.cache_outputs_for_next_layer_calib
             if next_inputs is not None:
                 defer = next_inputs.defer
                 collector.cache_outputs_for_next_layer_calib = lambda getter, layer, loop: defer(getter, layer, loop)  # type: ignore[method-assign, assignment]
             try:
                 return original(model, forward_loop=forward_loop, calib_func=calibrate_layer, **kwargs)
             finally:
-                collector.cache_outputs_for_next_layer_calib = capture  # type: ignore[method-assign]
+                collector.cache_outputs_for_next_layer_calib = previous  # type: ignore[method-assign]
 
         self._patch(mode, "layerwise_calibrate", layerwise)
         self._patch(model_calib, "_CheckpointState", QuantizersOnly)
