@@ -123,8 +123,8 @@ class ExpertCounter:
 
     Calibration may run a layer over the corpus more than once (GPTQ's further chunks of experts,
     ModelOpt's own capture of the next layer's inputs where it runs), so a layer's first pass,
-    ``batches`` router calls, is counted and the rest ignored. Finished layers are written to ``path`` so a resumed run keeps
-    the counts of the layers it does not run again.
+    ``batches`` router calls, is counted and the rest ignored. Finished layers are written to
+    ``path`` so a resumed run keeps the counts of the layers it does not run again.
     """
 
     def __init__(self, model: torch.nn.Module, batches: int, path: Path | None = None) -> None:

@@ -85,6 +85,8 @@ class NextInputs:
 
 
 class _Pending:
+    """One layer's deferred capture: ModelOpt's arguments, the list it was given, the outputs kept."""
+
     def __init__(self, collector: Any, forward_loop: Replay) -> None:
         self.collector = collector
         self.forward_loop = forward_loop
