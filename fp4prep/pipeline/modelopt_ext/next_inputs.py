@@ -68,7 +68,7 @@ class NextInputs:
         from modelopt.torch.quantization.utils.layerwise_calib import LayerActivationCollector
 
         pending = self._pending.pop(id(layer), None)
-        if pending is None or pending.inputs:
+        if pending is None:
             return
         batches = len(getattr(layer, LayerActivationCollector._LAYER_ATTR).collected_inputs)
         if len(pending.outputs) != batches:
