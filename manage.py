@@ -5,7 +5,7 @@ import os
 import sys
 
 if __name__ == "__main__":
-    os.environ.setdefault("DJANGO_SETTINGS_MODULE", "fp4prep.settings")
+    os.environ.setdefault("DJANGO_SETTINGS_MODULE", "fp4prep.site.settings")
     try:
         from django.core.management import execute_from_command_line
     except ImportError:

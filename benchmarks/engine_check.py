@@ -8,7 +8,7 @@ project's torch through a path file), so nothing in fp4prep's own environment ch
         vLLM's activation quantization (NVFP4 ``ref_nvfp4_quant_dequant``, per-token FP8
         ``QuantFP8.forward_native``) on random tensors that reach every branch: blocks whose scale
         rounds to zero, clipping above the global scale, E2M1 ties. The default OUT is the file
-        tests/pipeline/test_engine_numerics.py compares fp4prep's arithmetic with.
+        tests/pipeline/formats/test_engine_numerics.py compares fp4prep's arithmetic with.
 
     .venv/bin/python benchmarks/engine_check.py demo [--format nvfp4|fp8|all]
         The demo's job for each format (its recipe, quality gate off); then vLLM's own loader loads

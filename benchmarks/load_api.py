@@ -33,7 +33,7 @@ ENDPOINTS = ("job detail", "job events", "jobs list")
 
 SEED = """
 import os, django
-os.environ.setdefault("DJANGO_SETTINGS_MODULE", "fp4prep.settings")
+os.environ.setdefault("DJANGO_SETTINGS_MODULE", "fp4prep.site.settings")
 django.setup()
 import json, random, sys
 from datetime import timedelta
@@ -158,7 +158,7 @@ def main() -> None:
               f"in {time.perf_counter() - started:.0f} s")
         port = free_port()
         server = subprocess.Popen(
-            [sys.executable, "-m", "gunicorn", "fp4prep.wsgi", "-b", f"127.0.0.1:{port}", "-w", str(args.workers),
+            [sys.executable, "-m", "gunicorn", "fp4prep.site.wsgi", "-b", f"127.0.0.1:{port}", "-w", str(args.workers),
              "-k", "gthread", "--threads", str(args.threads), "--log-level", "warning"],
             env=env, cwd=ROOT, start_new_session=True,
         )

@@ -42,17 +42,19 @@ import dataclasses, json, sys, time
 from pathlib import Path
 from fp4prep import demo
 from fp4prep.pipeline import PipelineConfig, recipes, stages
+from fp4prep.pipeline.validation import stage
 from fp4prep.pipeline import device as device_mod
 from fp4prep.pipeline.model import streaming
 from fp4prep.pipeline.model.merge import MergedWeights
 from fp4prep.pipeline.model.safetensors import read_config
 from fp4prep.pipeline.modelopt_ext.session import Session
+from fp4prep.pipeline.model.reads import ReadTally
 from fp4prep.pipeline.progress import Progress
 from fp4prep.pipeline.workdir import opened
 from fp4prep.pipeline.algorithms.layer_pass import LayerPass
 kind, fp8, task, out, prompts, base = sys.argv[1], json.loads(sys.argv[2]), sys.argv[3], Path(sys.argv[4]), int(sys.argv[5]), sys.argv[6]
 if base == "moe":
-    from fp4prep import demo_moe as builder
+    from fp4prep.demo import moe as builder
 else:
     builder = demo
 assets = builder.build(task=demo.TASKS[task])
@@ -64,19 +66,19 @@ compute = device_mod.resolve(config.device)
 LayerPass.measure_layers = kind == "recipe" and not fp8  # the first run: what each layer adds to the residual
 out.parent.mkdir(parents=True, exist_ok=True)
 with opened(None, out) as work, Session(compute) as session:
-    state = stages._Run(config, recipe, Progress(), work, compute, session)
-    stages._merge(state)
+    state = stages.Run(config, recipe, Progress(), work, compute, session, ReadTally({}, lambda: ""))
+    merged = stages._merge(state)
     started = time.perf_counter()
-    stages._calibrate(state)
+    calibrated, calibration = stages._calibrate(state, merged)
     calibrating = time.perf_counter() - started
-    stages._quantize(state)
-    merged = MergedWeights(state.source, state.adapter, compute.dtype, compute.device)
-    bf16_model = streaming.build(read_config(config.base_dir), merged, compute, config.base_dir)
-    bf16 = stages._bf16_side(state, bf16_model, lambda f: None)
-    behaviour, scored = stages._behaviour(state, bf16, state.model, lambda f: None)
+    stages._quantize(state, calibrated, calibration)
+    weights = MergedWeights(merged.base.source, merged.base.adapter, compute.dtype, compute.device)
+    bf16_model = streaming.build(read_config(config.base_dir), weights, compute, config.base_dir)
+    bf16 = stage.bf16_side(config, merged.base, calibration, bf16_model, lambda f: None)
+    _, (behaviour, scored) = stage.measure(bf16, calibrated.model, lambda f: None)
 print(json.dumps({"parity": dataclasses.asdict(behaviour), "task": dataclasses.asdict(scored) if scored else None,
-                  "calibrating_s": calibrating, "errors": [g.to_list() for g in state.calibrated.rounding_errors],
-                  "layer_errors": state.calibrated.layer_errors,
+                  "calibrating_s": calibrating, "errors": [g.to_list() for g in calibration.learned.rounding_errors],
+                  "layer_errors": calibration.learned.layer_errors,
                   "device": compute.describe()}))
 """
 

@@ -36,8 +36,8 @@ def archive(adapter: Path, keys: dict[str, int]) -> bytes:
 
 def main() -> None:
     from fp4prep import demo
-    from fp4prep.errors import ServiceError
     from fp4prep.pipeline.inputs.adapter_files import base_weight_shapes
+    from fp4prep.site.errors import ServiceError
     from registry import archives
 
     assets = demo.build()

@@ -16,7 +16,7 @@ Hessian and 4-over-6 weight scales, its own GPTQ, a weights-only diagnostic) are
 
     .venv/bin/python benchmarks/recipe_search.py [--base dense|moe] [--format nvfp4|mxfp4|all] [--only NAME ...] [--json out.json]
 
-``--base moe`` runs the same candidates on the mixture-of-experts demo (``fp4prep.demo_moe``: the demo
+``--base moe`` runs the same candidates on the mixture-of-experts demo (``fp4prep.demo.moe``: the demo
 base upcycled into a Mixtral MoE, adapters trained on it with LoRA on the fused expert tensors), and
 adds how many routed-expert projections GPTQ rounded.
 """
@@ -77,7 +77,7 @@ from fp4prep.pipeline import PipelineConfig, Thresholds, run
 from fp4prep.pipeline import recipes
 fmt, steps, task, out, prompts, base = sys.argv[1], json.loads(sys.argv[2]), sys.argv[3], Path(sys.argv[4]), int(sys.argv[5]), sys.argv[6]
 if base == "moe":
-    from fp4prep import demo_moe as builder
+    from fp4prep.demo import moe as builder
 else:
     builder = demo
 assets = builder.build(task=demo.TASKS[task])
@@ -147,7 +147,7 @@ def main() -> None:
     parser.add_argument("--json", type=Path, help="write the rows here too")
     parser.add_argument("--base", choices=["dense", "moe"], default="dense",
                         help="the demo base (SmolLM2-135M-Instruct) or its mixture-of-experts build "
-                             "(fp4prep.demo_moe: Mixtral-style, 4 experts, top-2) with adapters trained on it")
+                             "(fp4prep.demo.moe: Mixtral-style, 4 experts, top-2) with adapters trained on it")
     parser.add_argument("--parity-prompts", type=int, default=60,
                         help="held-back conversations parity is measured on (default: all 60 the demo holds back; "
                              "a job uses 16)")

@@ -8,7 +8,7 @@ from django.contrib import admin, messages
 from django.db.models import QuerySet
 from django.http import HttpRequest
 
-from fp4prep.errors import ServiceError
+from fp4prep.site.errors import ServiceError
 from registry.admin import LoggedActions
 
 from . import services

@@ -5,15 +5,15 @@ from __future__ import annotations
 from typing import Any
 
 from django.conf import settings
-from drf_spectacular.utils import OpenApiParameter, extend_schema
+from drf_spectacular.utils import OpenApiParameter, extend_schema, extend_schema_view
 from rest_framework.generics import ListAPIView
 from rest_framework.request import Request
 from rest_framework.response import Response
 from rest_framework.views import APIView
 
-from fp4prep.api import uploaded_file
-from fp4prep.errors import InvalidInput
-from fp4prep.middleware import takes_uploads
+from fp4prep.site.errors import InvalidInput
+from fp4prep.site.middleware import takes_uploads
+from fp4prep.site.rest import uploaded_file
 from registry.auth import project_of
 
 from . import calibration, services
@@ -74,6 +74,9 @@ class Estimate(APIView):
 JOBS = Job.objects.select_related("supported_base")
 
 
+@extend_schema_view(get=extend_schema(summary="The project's jobs, newest first", parameters=[
+    OpenApiParameter("status", str, description="Only jobs in these statuses, comma-separated (e.g. running,queued)"),
+]))
 class JobList(ListAPIView):
     serializer_class = JobSerializer
 
@@ -114,7 +117,10 @@ class JobDetail(APIView):
 
 
 class JobEvents(APIView):
-    @extend_schema(responses=EventListSerializer, summary="The job's events, oldest first (?after=<event id> for new ones)")
+    @extend_schema(
+        responses=EventListSerializer, summary="The job's events, oldest first",
+        parameters=[OpenApiParameter("after", int, description="Only events after this event ID (the newest one seen)")],
+    )
     def get(self, request: Request, job_id: str) -> Response:
         job = get_job(project_of(request), job_id)
         events = job.events.order_by("id")

@@ -1,3 +1,5 @@
+"""The jobs app: calibration files, estimates, jobs and their events, the queue and its workers."""
+
 from django.apps import AppConfig
 
 

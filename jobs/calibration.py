@@ -10,8 +10,8 @@ from typing import IO, Any
 
 from django.db import transaction
 
-from fp4prep.errors import InvalidInput, check_length
 from fp4prep.pipeline.inputs.conversations import validate
+from fp4prep.site.errors import InvalidInput, check_length
 from fp4prep.text import excerpt, format_bytes
 from registry.models import Project
 from registry.services import claim_storage, quota_exceeded, storage_left

@@ -10,8 +10,9 @@ from django.conf import settings
 from django.db import models
 from django.utils import timezone
 
-from fp4prep import ids, statuses
-from fp4prep.errors import NotFound
+from fp4prep import statuses
+from fp4prep.site import ids
+from fp4prep.site.errors import NotFound
 from fp4prep.text import clip
 from registry.models import Model, Project, Revision, SupportedBase
 

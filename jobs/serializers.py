@@ -1,3 +1,5 @@
+"""How the jobs app's objects read in the REST API: calibration files with their reports, jobs, events."""
+
 from __future__ import annotations
 
 from typing import Any

@@ -18,7 +18,7 @@ from typing import Any
 
 from django.db import transaction
 
-from fp4prep.errors import Conflict, Forbidden, InvalidInput, PaymentRequired
+from fp4prep.site.errors import Conflict, Forbidden, InvalidInput, PaymentRequired
 from fp4prep.text import excerpt
 from registry.models import (
     CreditTransaction,

@@ -1,3 +1,5 @@
+"""The jobs app's REST API under ``/v1/``: files, and the prepare-for-FP4-inference jobs."""
+
 from django.urls import path
 
 from . import api

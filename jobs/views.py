@@ -17,9 +17,9 @@ from django.urls import reverse
 from django.views.decorators.http import require_POST
 from django_htmx.http import HttpResponseClientRedirect, HttpResponseStopPolling
 
-from fp4prep.errors import NotFound, ServiceError
 from fp4prep.pipeline.validation import report as quality
-from fp4prep.web import paginate, project_page, upload, upload_page
+from fp4prep.site.errors import NotFound, ServiceError
+from fp4prep.site.pages import paginate, project_page, upload, upload_page
 from registry.models import Model, Project
 
 from . import calibration, services

@@ -14,7 +14,7 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from django.conf import settings
 from django.db import (
@@ -34,6 +34,9 @@ from registry.models import Model, SupportedBase
 from . import lifecycle
 from .lifecycle import STAGE_EVENT, STATUS_EVENT
 from .models import STAGE_MESSAGES, Job
+
+if TYPE_CHECKING:
+    from fp4prep.pipeline import PipelineResult
 
 logger = logging.getLogger(__name__)
 
@@ -218,7 +221,7 @@ class WeightsMissing(Exception):
 
 
 def weights_dir(base: SupportedBase) -> Path:
-    """Where this worker keeps a catalogue base's BF16 weights: the demo's own for the embedded
+    """Where this worker keeps a catalogue base's weights: the demo's own for the embedded
     base, else ``weights_location`` under ``FP4PREP_WEIGHTS_ROOT``."""
     if base.weights_location.startswith("embedded:"):
         from fp4prep import demo
@@ -228,19 +231,31 @@ def weights_dir(base: SupportedBase) -> Path:
     return path if path.is_absolute() else settings.WEIGHTS_ROOT / path
 
 
-def _pipeline(job: Job, reporter: Reporter) -> Any:
-    from fp4prep.pipeline import PipelineConfig, Thresholds, run
+def _pipeline(job: Job, reporter: Reporter) -> PipelineResult:
+    from fp4prep.pipeline import PipelineConfig, run
+    from fp4prep.pipeline.errors import UserError
+    from fp4prep.pipeline.model.releases import weights_format
 
     base = job.supported_base
     weights = weights_dir(base)
     if not (weights / "config.json").is_file():
         logger.error("job %s: no weights for %s in %s", job.id, base.family, weights)
         raise WeightsMissing(
-            f"This worker has no BF16 weights for {base.family} ({base.weights_location}). "
+            f"This worker has no weights for {base.family} ({base.weights_location}). "
             "An operator must install them under FP4PREP_WEIGHTS_ROOT; retrying on a worker that has them may help."
         )
-    run_settings = dict(base.run_settings)
-    thresholds = run_settings.pop("thresholds", None)
+    try:
+        found = weights_format(weights)
+    except UserError as exc:  # the operator's weights, not the customer's input
+        raise WeightsMissing(f"This worker's weights for {base.family} can't be read: {exc}") from None
+    if found != base.weights_format:
+        logger.error("job %s: %s's weights in %s are %s, not %s", job.id, base.family, weights, found, base.weights_format)
+        raise WeightsMissing(
+            f"This worker's weights for {base.family} ({base.weights_location}) are stored as {found}, but its catalogue "
+            f"entry says {base.weights_format}. An operator must install the weights the entry names, or correct the entry."
+        )
+    # Checked when the entry was saved; checked again here, for a row edited around the model.
+    fixed = base.check_run_settings()
     work = lifecycle.work_dir(job.id)
     out = work / "output"
     shutil.rmtree(out, ignore_errors=True)  # a checkpoint moved here by a run that died registering it
@@ -267,18 +282,17 @@ def _pipeline(job: Job, reporter: Reporter) -> Any:
             "job": job.id,
             "project": job.project_id,
         },
-        thresholds=Thresholds(**thresholds) if thresholds else None,
         progress=reporter.progress,
         should_cancel=reporter.should_cancel,
         notify=reporter.note,
-        **run_settings,
+        **fixed.config_fields(),
     )
     return run(config)
 
 
-def _register(job: Job, reporter: Reporter, result: Any) -> str:
+def _register(job: Job, reporter: Reporter, result: PipelineResult) -> str:
     reporter.progress("uploading", 0.0)
-    return register(job, Path(result.output_dir), _report(result))
+    return register(job, result.output_dir, _report(result))
 
 
 def register(job: Job, output: Path, report: dict[str, Any]) -> str:
@@ -323,7 +337,7 @@ def register(job: Job, output: Path, report: dict[str, Any]) -> str:
     return "completed"
 
 
-def _report(result: Any) -> dict[str, Any]:
+def _report(result: PipelineResult) -> dict[str, Any]:
     data = result.to_dict()
     data.pop("output_dir", None)
     retention = data.get("retention")

@@ -9,14 +9,20 @@ from django.conf import settings
 from django.db.models import Q
 from django.http import StreamingHttpResponse
 from drf_spectacular.types import OpenApiTypes
-from drf_spectacular.utils import OpenApiResponse, extend_schema, inline_serializer
+from drf_spectacular.utils import (
+    OpenApiParameter,
+    OpenApiResponse,
+    extend_schema,
+    extend_schema_view,
+    inline_serializer,
+)
 from rest_framework.generics import ListAPIView
 from rest_framework.request import Request
 from rest_framework.response import Response
 from rest_framework.views import APIView
 
-from fp4prep.api import uploaded_file
-from fp4prep.middleware import takes_uploads
+from fp4prep.site.middleware import takes_uploads
+from fp4prep.site.rest import uploaded_file
 
 from . import artifacts, services
 from .auth import project_of
@@ -53,6 +59,9 @@ class WhoAmI(APIView):
 
 
 @takes_uploads
+@extend_schema_view(get=extend_schema(summary="The project's models and the public base models, newest first", parameters=[
+    OpenApiParameter("kind", str, description="Only models of this kind: base, adapter, merged, full or prepared"),
+]))
 class ModelList(ListAPIView):
     serializer_class = ModelSerializer
 

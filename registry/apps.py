@@ -1,3 +1,5 @@
+"""The registry app: projects, API keys, credit, models, revisions and the supported-base catalogue."""
+
 from django.apps import AppConfig
 
 

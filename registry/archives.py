@@ -23,7 +23,6 @@ from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 from typing import IO, Any
 
-from fp4prep.errors import InvalidInput, TooLarge
 from fp4prep.pipeline.errors import UserError
 from fp4prep.pipeline.inputs.adapter_files import (
     CONFIG_NAME,
@@ -35,6 +34,7 @@ from fp4prep.pipeline.inputs.adapter_files import (
     lora_pairs,
     read_header,
 )
+from fp4prep.site.errors import InvalidInput, TooLarge
 from fp4prep.text import clip, excerpt, parse_json, without_paths
 
 ADAPTER_CONFIG = CONFIG_NAME

@@ -1,12 +1,14 @@
 """The shipped supported-base catalogue: entries, deployment profiles and public base models.
 
-Data, not code paths: the migration installs it, support staff edit it in the admin.
+Data, not code paths. The migrations hold the rows as they shipped them (what an old migration
+installs never changes); ``manage.py catalogue`` brings a database to the entries here, each one
+checked as it is saved; support staff edit entries in the admin.
 """
+
+from __future__ import annotations
 
 from decimal import Decimal
 from typing import Any
-
-from fp4prep import ids
 
 
 def _llama_shapes(layers: int, hidden: int, intermediate: int, kv_width: int, vocab: int) -> dict[str, Any]:
@@ -49,6 +51,7 @@ CATALOGUE: list[dict[str, Any]] = [
         "price_per_gpu_hour": Decimal("0.8988"),
         "worker_kind": "gpu",
         "weights_location": "zai-org/GLM-5.3-FP8",
+        "weights_format": "fp8-blocks",
         "profiles": [("cr_Cf3yApYdaWMrH6RsyVmh7", "GLM-5.3 NVFP4 on 4x B200", "NVIDIA B200", 4, "nvfp4")],
     },
     {
@@ -63,7 +66,9 @@ CATALOGUE: list[dict[str, Any]] = [
         "gpu_count": 8,
         "price_per_gpu_hour": Decimal("0.8988"),
         "worker_kind": "gpu",
+        # The release itself: MXFP4 routed experts, the rest as it ships; read as the engine dequantizes it.
         "weights_location": "moonshotai/Kimi-K3",
+        "weights_format": "mxfp4",
         "profiles": [("cr_CfsRY8rFVfgH9cEWwywEa", "Kimi-K3 MXFP4 on 8x B200", "NVIDIA B200", 8, "mxfp4")],
     },
     {
@@ -79,7 +84,7 @@ CATALOGUE: list[dict[str, Any]] = [
         # down_proj scrambled (layers 0-29), top-1 0.004-0.961 and KL 0.085-12. No one figure
         # separates them (orders, layer 12: KL 0.085; layer 24: top-1 0.961), the two together do:
         # top-1 at least 0.96 (5x the worst sound disagreement, 0.008) and KL at most 0.12 (1.75x
-        # the worst sound KL). tests/pipeline/test_parity_gate.py checks both sides on the demo.
+        # the worst sound KL). tests/pipeline/validation/test_parity_gate.py checks both sides on the demo.
         "run_settings": {
             "calibration_tokens": 8192,
             "sequence_length": 512,
@@ -97,6 +102,7 @@ CATALOGUE: list[dict[str, Any]] = [
         "price_per_gpu_hour": Decimal("2.00"),
         "worker_kind": "cpu",
         "weights_location": "embedded:smollm2",
+        "weights_format": "bf16",
         # SmolLM2-135M: 30 layers, hidden 576, MLP 1536, 3 KV heads of 64, vocabulary 49,152, tied head.
         "weight_shapes": _llama_shapes(30, 576, 1536, 192, 49152),
         "profiles": [("cr_SmoLm2Nvfp4RtxPro6000", "SmolLM2 NVFP4 on 1x RTX PRO 6000", "NVIDIA RTX PRO 6000 Blackwell", 1, "nvfp4")],
@@ -111,29 +117,42 @@ BASES: list[tuple[str, str]] = [
 ]
 
 
-def install(apps: Any) -> None:
-    """Create or update the shipped entries (idempotent); ``apps`` is a migration's or the live registry."""
-    SupportedBase = apps.get_model("registry", "SupportedBase")
-    DeploymentProfile = apps.get_model("registry", "DeploymentProfile")
-    Model = apps.get_model("registry", "Model")
-    # An earlier migration's model lacks the fields added since: give it only the ones it has.
-    fields = {f.name for f in SupportedBase._meta.get_fields()}
-    for entry in CATALOGUE:
-        entry = dict(entry)
-        profiles = entry.pop("profiles")
-        slug = entry.pop("slug")
-        defaults = {k: v for k, v in entry.items() if k in fields}
-        base, _ = SupportedBase.objects.update_or_create(slug=slug, defaults=defaults)
-        for pk, name, hardware, gpus, quantization in profiles:
-            DeploymentProfile.objects.update_or_create(
-                id=pk,
-                defaults={"supported_base": base, "name": name, "hardware": hardware, "gpu_count": gpus, "quantization": quantization},
-            )
-    for name, slug in BASES:
-        if not Model.objects.filter(project__isnull=True, kind="base", name=name).exists():
-            Model.objects.create(id=ids.model_id(), kind="base", name=name, base_model=name, supported_base_id=slug)
+def install(check_only: bool = False) -> list[str]:
+    """Create or update the shipped entries, their profiles and the public base models (idempotent);
+    returns what changed, a line each (with ``check_only``, what would). A row that fails its
+    checks raises ValidationError naming the entry and the field."""
+    from django.core.exceptions import ValidationError
+    from django.db import transaction
 
+    from .models import DeploymentProfile, Model, SupportedBase
 
-def uninstall(apps: Any) -> None:
-    apps.get_model("registry", "Model").objects.filter(project__isnull=True, kind="base").delete()
-    apps.get_model("registry", "SupportedBase").objects.filter(slug__in=[e["slug"] for e in CATALOGUE]).delete()
+    changes: list[str] = []
+    with transaction.atomic():
+        for entry in CATALOGUE:
+            entry = dict(entry)
+            profiles, slug = entry.pop("profiles"), entry.pop("slug")
+            base = SupportedBase.objects.filter(slug=slug).first() or SupportedBase(slug=slug)
+            differ = [k for k, v in entry.items() if getattr(base, k, None) != v]
+            if base._state.adding or differ:
+                changes.append(f"{slug}: " + ("new entry" if base._state.adding else "sets " + ", ".join(differ)))
+                for key, value in entry.items():
+                    setattr(base, key, value)
+                if not check_only:
+                    try:
+                        base.full_clean()
+                        base.save()
+                    except ValidationError as exc:
+                        raise ValidationError(f"catalogue entry {slug}: {exc.message_dict}") from None
+            for pk, name, hardware, gpus, quantization in profiles:
+                wanted = {"supported_base_id": slug, "name": name, "hardware": hardware, "gpu_count": gpus, "quantization": quantization}
+                profile = DeploymentProfile.objects.filter(pk=pk).first()
+                if profile is None or any(getattr(profile, k) != v for k, v in wanted.items()):
+                    changes.append(f"{slug}: profile {pk} {'added' if profile is None else 'updated'}")
+                    if not check_only:
+                        DeploymentProfile.objects.update_or_create(id=pk, defaults=wanted)
+        for name, slug in BASES:
+            if not Model.objects.filter(project__isnull=True, kind="base", name=name).exists():
+                changes.append(f"{slug}: public base model {name} added")
+                if not check_only:
+                    Model.objects.create(kind="base", name=name, base_model=name, supported_base_id=slug)
+    return changes

@@ -3,20 +3,21 @@
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from decimal import ROUND_HALF_UP, Decimal
 from pathlib import Path
 from typing import Any
 
 from django.conf import settings
+from django.core.exceptions import ValidationError
 from django.db import models
 from django.db.models import Q, Sum
 from django.utils import timezone
 
-from fp4prep import ids
-from fp4prep.errors import NotFound
+from fp4prep.pipeline.config import RunSettings
 from fp4prep.pipeline.formats import choices as format_choices
-from fp4prep.pipeline.recipes import Thresholds
+from fp4prep.site import ids
+from fp4prep.site.errors import NotFound
 from fp4prep.text import clip
 
 CENT = Decimal("0.01")
@@ -144,8 +145,6 @@ class ApiKey(models.Model):
 
 
 # What a catalogue entry may fix for the pipeline (fields of fp4prep.pipeline.PipelineConfig).
-RUN_SETTING_KEYS = {"calibration_tokens", "sequence_length", "holdout_fraction", "parity_prompts", "continuation_tokens", "seed", "thresholds"}
-THRESHOLD_KEYS = {f.name for f in fields(Thresholds)}
 
 
 class SupportedBase(models.Model):
@@ -169,9 +168,18 @@ class SupportedBase(models.Model):
     gpu_count = models.PositiveIntegerField(help_text="0 for a CPU worker")
     price_per_gpu_hour = models.DecimalField(max_digits=10, decimal_places=4, help_text="USD per GPU-hour (per worker-hour on a CPU worker)")
     worker_kind = models.CharField(max_length=3, choices=WorkerKind.choices)
+    class WeightsFormat(models.TextChoices):
+        BF16 = "bf16", "BF16"
+        FP8_BLOCKS = "fp8-blocks", "FP8 in 128x128 blocks"
+        NVFP4 = "nvfp4", "an NVFP4 release"
+        MXFP4 = "mxfp4", "an MXFP4 release"
+
     weights_location = models.CharField(
-        max_length=500, help_text="BF16 weights: a directory under FP4PREP_WEIGHTS_ROOT, an absolute path, or 'embedded:smollm2'"
+        max_length=500, help_text="The base's weights: a directory under FP4PREP_WEIGHTS_ROOT, an absolute path, or 'embedded:smollm2'"
     )
+    # How the weights there are stored: a worker refuses a job whose weights say otherwise, before any
+    # work. An FP4 release is read as it ships; the prepared model keeps its format.
+    weights_format = models.CharField(max_length=12, choices=WeightsFormat.choices, default=WeightsFormat.BF16)
     # {"layers": N, "tensors": {"model.layers.*.self_attn.q_proj.weight": [out, in], ...}}: what an
     # uploaded adapter's LoRA matrices are checked against before it is stored. Empty: checked by
     # the job's merge instead. `manage.py baseshapes SLUG` fills it from the weights.
@@ -188,19 +196,21 @@ class SupportedBase(models.Model):
         return usd(self.typical_hours * max(self.gpu_count, 1) * self.price_per_gpu_hour)
 
     def clean(self) -> None:
-        """The run settings hold PipelineConfig numbers and optional thresholds; anything else can't run."""
-        from django.core.exceptions import ValidationError
-
-        if not isinstance(self.run_settings, dict):
-            raise ValidationError({"run_settings": "must be a JSON object"})
-        unknown = set(self.run_settings) - RUN_SETTING_KEYS
-        if unknown:
-            raise ValidationError({"run_settings": f"unknown keys {sorted(unknown)}; allowed: {sorted(RUN_SETTING_KEYS)}"})
-        thresholds = self.run_settings.get("thresholds")
-        if thresholds is not None and (not isinstance(thresholds, dict) or set(thresholds) != THRESHOLD_KEYS):
-            raise ValidationError({"run_settings": f"thresholds must be an object with exactly the keys {sorted(THRESHOLD_KEYS)}"})
+        """The run settings are ones the pipeline takes (``RunSettings``); anything else can't run."""
+        self.check_run_settings()
         if not isinstance(self.accepted_base_ids, list) or not all(isinstance(i, str) and i for i in self.accepted_base_ids):
             raise ValidationError({"accepted_base_ids": "must be a list of base model IDs"})
+
+    def save(self, *args: Any, **kwargs: Any) -> None:
+        # Every way a row is written (the admin, the catalogue command, a script) runs the check.
+        self.check_run_settings()
+        super().save(*args, **kwargs)
+
+    def check_run_settings(self) -> RunSettings:
+        try:
+            return RunSettings.parse(self.run_settings)
+        except ValueError as exc:
+            raise ValidationError({"run_settings": str(exc)}) from None
 
     @classmethod
     def for_base_id(cls, base_id: str) -> SupportedBase | None:

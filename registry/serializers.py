@@ -1,3 +1,5 @@
+"""How the registry's objects read in the REST API: models, revisions and their files, deployment profiles."""
+
 from __future__ import annotations
 
 from typing import Any

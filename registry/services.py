@@ -9,7 +9,7 @@ from typing import Any
 from django.conf import settings
 from django.db import transaction
 
-from fp4prep.errors import InvalidInput, TooLarge, check_length
+from fp4prep.site.errors import InvalidInput, TooLarge, check_length
 from fp4prep.text import format_bytes
 
 from . import archives

@@ -10,7 +10,7 @@ from fp4prep.pipeline.validation.report import serving_note
 
 from .models import DeploymentProfile, Model, Revision
 
-# vLLM's --quantization method for each checkpoint layout we write (README, "What the checkpoint holds").
+# vLLM's --quantization method for each checkpoint layout we write (docs/pipeline.md, "What the checkpoint holds").
 VLLM_METHOD = {"nvfp4": "modelopt_fp4", "mxfp4": "compressed-tensors", "fp8": "modelopt"}
 
 

@@ -1,3 +1,5 @@
+"""The registry's REST API under ``/v1/``: who am I, models, revisions, downloads, adapter uploads."""
+
 from django.urls import path
 
 from . import api

@@ -11,9 +11,9 @@ from django.urls import reverse
 from django.views.decorators.http import require_POST
 from django_htmx.http import HttpResponseClientRedirect
 
-from fp4prep.errors import NotFound, ServiceError, check_length
 from fp4prep.pipeline.validation import report as quality
-from fp4prep.web import SESSION_PROJECT, member_projects, paginate, project_page, upload, upload_page
+from fp4prep.site.errors import NotFound, ServiceError, check_length
+from fp4prep.site.pages import SESSION_PROJECT, member_projects, paginate, project_page, upload, upload_page
 
 from . import artifacts, services, serving
 from .models import NEWEST_FIRST, ApiKey, Model, Project, SupportedBase, get_model, get_revision

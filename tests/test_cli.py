@@ -98,3 +98,32 @@ def test_the_demo_takes_any_of_its_adapters_and_refuses_others() -> None:
     refused = fp4prep("demo", "--task", "poetry")
     assert refused.returncode == 2
     assert "invalid choice: 'poetry'" in refused.stderr and "sentiment" in refused.stderr
+
+
+def test_an_fp4_release_as_the_model_id_is_prepared_in_its_own_format(tiny: dict[str, Path], tmp_path: Path) -> None:
+    # An MXFP4 release, made as the user made one: the tiny base quantized by the command.
+    release = tmp_path / "release"
+    made = fp4prep("quantize", "--model-id", str(tiny["base"]), "--output-directory", str(release),
+                   "--quantization", "mxfp4", "--no-quality-gate", "--quiet")
+    assert made.returncode == 0, made.stderr
+    import json
+
+    # No --quantization: the release's own format. The adapter was trained on the dense weights.
+    done = fp4prep("quantize", "--model-id", str(release), "--adapter-directory", str(tiny["adapter"]),
+                   "--output-directory", str(tiny["out"]), "--no-quality-gate", "--quiet", "--json")
+    assert done.returncode == 0, done.stderr
+    result = json.loads(done.stdout)
+    assert result["quantization"] == "mxfp4"
+    # q_proj and v_proj of each layer re-coded, every other tensor copied from the release.
+    layers = json.loads((release / "config.json").read_text())["num_hidden_layers"]
+    assert result["release"]["requantized"] == 2 * layers and result["release"]["copied"] > 0
+    assert json.loads((tiny["out"] / "config.json").read_text())["quantization_config"] == json.loads(
+        (release / "config.json").read_text()
+    )["quantization_config"]
+    refused = fp4prep("quantize", "--model-id", str(release), "--adapter-directory", str(tiny["adapter"]),
+                      "--output-directory", str(tmp_path / "other"), "--quantization", "nvfp4", "--quiet")
+    assert refused.returncode == 2
+    assert refused.stderr.strip().splitlines()[-1] == (
+        "error: the base is MXFP4 release (compressed-tensors): a model prepared from it keeps the release's "
+        "format, so ask for mxfp4, not nvfp4"
+    )

@@ -89,7 +89,7 @@ def test_the_local_demo_adapters_task_survives_mxfp4(tmp_path: Path) -> None:
 def test_every_demo_task_splits_into_distinct_rows_with_answers_true_to_their_inputs() -> None:
     import datetime
 
-    from fp4prep.demo_tasks import MONTHS, TASKS
+    from fp4prep.demo.tasks import MONTHS, TASKS
 
     for task in TASKS.values():
         train, calibration, evaluation = task.split()

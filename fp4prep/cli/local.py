@@ -13,7 +13,7 @@ import warnings
 from pathlib import Path
 from typing import Any
 
-from fp4prep.demo_tasks import TASKS
+from fp4prep.demo.tasks import TASKS
 from fp4prep.pipeline.recipes import RECIPES
 
 from . import exits
@@ -97,15 +97,29 @@ def needs_pipeline(command: Any) -> Any:
     return checked
 
 
+def default_quantization(base: Path) -> str:
+    """nvfp4, or the release's own format for a base that ships in FP4 (a model prepared from one
+    is written in its format)."""
+    from fp4prep.pipeline.model.releases import weights_format
+
+    stored = weights_format(base) if (base / "config.json").is_file() else "bf16"
+    return stored if stored in ("nvfp4", "mxfp4") else "nvfp4"
+
+
 def cmd_quantize(args: argparse.Namespace) -> int:
     from fp4prep.pipeline import Cancelled, PipelineConfig, PipelineError, UserError, run
 
     bars = StageBars(enabled=not args.quiet)
+    try:
+        quantization = args.quantization or default_quantization(args.model_id)
+    except UserError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return exits.INPUT
     config = PipelineConfig(
         base_dir=args.model_id,
         adapter_dir=args.adapter_directory,
         output_dir=args.output_directory,
-        quantization=args.quantization,
+        quantization=quantization,
         calibration_file=args.calibration_file,
         general_text_file=args.general_text_file,
         eval_file=args.eval_file,
@@ -153,6 +167,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     args.eval_file = None
     args.calibration_tokens = 8192
     args.user_token_minimum = 4096
+    args.quantization = args.quantization or "nvfp4"
     if args.output_directory is None:
         suffix = "" if args.task == "sentiment" else f"-{args.task}"
         args.output_directory = Path("var") / f"demo-{args.quantization}{suffix}"
@@ -163,8 +178,7 @@ def _add_run_options(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--quantization",
         choices=tuple(RECIPES),
-        default="nvfp4",
-        help="output format (default nvfp4)",
+        help="output format (default nvfp4; for a base that ships in FP4, the release's own format)",
     )
     p.add_argument(
         "--device",
@@ -197,7 +211,7 @@ def add_commands(sub: Any) -> None:
 
     q = sub.add_parser("quantize", help="merge an adapter and quantize a checkpoint locally")
     q.add_argument(
-        "--model-id", required=True, type=Path, help="base checkpoint directory (BF16 or FP8 blocks)"
+        "--model-id", required=True, type=Path, help="base checkpoint directory (BF16, FP8 blocks, or an NVFP4/MXFP4 release)"
     )
     q.add_argument("--adapter-directory", type=Path, help="PEFT LoRA adapter directory to merge first")
     q.add_argument(

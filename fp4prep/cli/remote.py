@@ -9,7 +9,7 @@ import argparse
 from pathlib import Path
 from typing import Any
 
-from .api import run
+from .connection import run
 from .store import (
     cmd_files_get,
     cmd_files_list,

@@ -12,7 +12,7 @@ from fp4prep.client import Client
 
 from . import exits
 from . import output as out
-from .api import Refused, check_size, more, print_report
+from .connection import Refused, check_size, more, print_report
 
 
 def cmd_files_upload(client: Client, args: argparse.Namespace) -> int:

@@ -13,7 +13,7 @@ from fp4prep.client import Client, Job
 
 from . import exits
 from . import output as out
-from .api import Refused, check_size, more, print_report
+from .connection import Refused, check_size, more, print_report
 
 
 def _inputs(args: argparse.Namespace, calibration_file_id: str | None) -> dict[str, Any]:

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+import math
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -67,6 +68,75 @@ class PipelineConfig:
             value = getattr(self, name)
             if value is not None:
                 setattr(self, name, Path(value))
+
+
+@dataclass(frozen=True)
+class RunSettings:
+    """The ``PipelineConfig`` fields a catalogue entry fixes for every job on its base (users can't
+    change them); None leaves the config's default. ``parse`` checks an entry's JSON before it is
+    saved, so an entry that can't run is refused with the field named, not found when a job runs."""
+
+    calibration_tokens: int | None = None
+    sequence_length: int | None = None
+    holdout_fraction: float | None = None
+    parity_prompts: int | None = None
+    continuation_tokens: int | None = None
+    seed: int | None = None
+    thresholds: Thresholds | None = None
+
+    @classmethod
+    def parse(cls, raw: object, where: str = "run_settings") -> RunSettings:
+        """``raw`` (a JSON object) as settings; ValueError naming the field (``where.key``) otherwise."""
+        from .recipes import Thresholds
+
+        if not isinstance(raw, dict):
+            raise ValueError(f"{where}: must be a JSON object, not {type(raw).__name__}")
+        known = [f.name for f in fields(cls)]
+        unknown = sorted(set(raw) - set(known))
+        if unknown:
+            raise ValueError(f"{where}.{unknown[0]}: not a setting a catalogue entry fixes; those are {', '.join(known)}")
+        values: dict[str, Any] = {}
+        for name, value in raw.items():
+            if name == "thresholds":
+                values[name] = Thresholds(**_thresholds(value, f"{where}.thresholds"))
+            elif name == "holdout_fraction":
+                values[name] = _number(value, f"{where}.{name}", inside=(0.0, 1.0))
+            else:
+                values[name] = _count(value, f"{where}.{name}", minimum=0 if name == "seed" else 1)
+        return cls(**values)
+
+    def config_fields(self) -> dict[str, Any]:
+        """The settings given, as ``PipelineConfig`` keyword arguments."""
+        return {f.name: getattr(self, f.name) for f in fields(self) if getattr(self, f.name) is not None}
+
+
+def _count(value: object, where: str, minimum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"{where}: must be a whole number, not {value!r}")
+    if value < minimum:
+        raise ValueError(f"{where}: must be at least {minimum}, not {value}")
+    return value
+
+
+def _number(value: object, where: str, *, inside: tuple[float, float] | None = None) -> float:
+    """A finite number, at least 0 (or strictly inside ``inside``)."""
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        raise ValueError(f"{where}: must be a finite number, not {value!r}")
+    if inside is not None and not inside[0] < value < inside[1]:
+        raise ValueError(f"{where}: must be between {inside[0]} and {inside[1]}, not {value}")
+    if inside is None and value < 0:
+        raise ValueError(f"{where}: must be at least 0, not {value}")
+    return float(value)
+
+
+def _thresholds(value: object, where: str) -> dict[str, float]:
+    from .recipes import Thresholds
+
+    names = [f.name for f in fields(Thresholds)]
+    if not isinstance(value, dict) or set(value) != set(names):
+        keys = sorted(value) if isinstance(value, dict) else type(value).__name__
+        raise ValueError(f"{where}: must be an object with exactly the keys {', '.join(names)}, not {keys}")
+    return {name: _number(value[name], f"{where}.{name}") for name in names}
 
 
 @dataclass
@@ -160,6 +230,11 @@ class PipelineResult:
     # What the run read from the base's weights and from its checkpoint, by stage and as passes
     # ({"base": {"size_bytes", "read_bytes": {stage: n}, "passes": {stage: x}, "total_passes"}, ...}).
     reads: dict[str, Any] = field(default_factory=dict)
+    # Where the base is an FP4 release and the model is written in its format: how many stored
+    # tensors were copied from it byte for byte, how many quantized weights got new codes on its
+    # scales, and how many tensors it keeps unquantized were written merged; how the changed weights
+    # were rounded, the share of their change in the outputs kept, and the weights that kept too little.
+    release: dict[str, Any] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         data = asdict(self)

@@ -1,11 +1,11 @@
 """The one entry point: ``run(config) -> result``, one function per stage.
 
 merge -> calibrate -> quantize -> export -> validate, each stage reporting progress and checking for
-cancellation, with one decoder layer's weights in memory at a time: the merged model is a lazy map
-over the base's files (``model.merge``), read layer by layer by a model whose weights live on the
-meta device (``model.streaming``); ModelOpt calibrates it layer by layer (``calibrate``) and exports
-it shard by shard (``export``); the reference and the checkpoint are both streamed again for
-validation.
+cancellation and returning what the next one takes (``handoffs``), with one decoder layer's weights
+in memory at a time: the merged model is a lazy map over the base's files (``model.merge``), read
+layer by layer by a model whose weights live on the meta device (``model.streaming``); ModelOpt
+calibrates it layer by layer (``calibrate``) and exports it shard by shard (``export``); the
+reference and the checkpoint are both streamed again for validation (``validation.stage``).
 
 What a run has finished is kept in its work directory (``workdir``), so a run that stops continues
 from there. The checkpoint is moved into ``output_dir`` only after it passed validation, so a failed
@@ -17,63 +17,40 @@ from __future__ import annotations
 import logging
 import shutil
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from . import device as device_mod
-from . import preflight, serving
+from . import preflight
+from .algorithms import held_gptq, held_scales
 from .algorithms.mixed import GroupError
-from .calibrate import Calibrated, calibrate
-from .config import ParityReport, PipelineConfig, PipelineResult, ServingReport, TaskReport
+from .calibrate import CALIBRATION_BATCH, Calibrated, calibrate
+from .config import PipelineConfig, PipelineResult
 from .errors import Cancelled, InternalError, PipelineError, UserError
-from .export import export, model_card
+from .export import export
+from .export import release as release_export
 from .export.reference import ReloadReference
+from .export.release import ReleaseWrite
+from .handoffs import Base, CalibratedModel, Calibration, Merged, Run
 from .inputs import corpus as corpus_mod
 from .model import memory, streaming
-from .model.merge import Adapter, MergedWeights, load_adapter
-from .model.reads import ReadTally, safetensors_bytes, tallying
-from .model.safetensors import TensorSource, directory_bytes, read_config
+from .model.merge import MergedWeights, load_adapter
+from .model.reads import ReadTally, tallying
+from .model.releases import BaseSource, QuantizedTensor
+from .model.safetensors import read_config
 from .modelopt_ext import quantizers
-from .modelopt_ext.block_scales import BlockScales
 from .modelopt_ext.session import Session
 from .progress import Progress
-from .recipes import Recipe, recipe_for
-from .validation import first_round, gate, parity, reader, report, retention, structure
-from .validation import task as task_mod
+from .recipes import Gptq, Recipe, recipe_for
+from .validation import first_round, parity, reader
 from .validation.prompt_cache import FirstRun
-from .workdir import WorkDir, fingerprint, opened
+from .validation.stage import task_set, validate
+from .workdir import fingerprint, opened
 
 logger = logging.getLogger(__name__)
 RELOAD_CHECK_TOKENS = 128
-
-
-@dataclass
-class _Run:
-    """One run's inputs and what its stages hand each other."""
-
-    config: PipelineConfig
-    recipe: Recipe
-    progress: Progress
-    work: WorkDir
-    compute: device_mod.Compute
-    session: Session
-    source: TensorSource | None = None
-    adapter: Adapter | None = None
-    merged: MergedWeights | None = None
-    tokenizer: Any = None
-    model: Any = None
-    bf16_bytes: int = 0
-    calibration_bytes: int = 0  # what calibrating one layer needs on the device (``preflight``)
-    corpus: corpus_mod.Corpus | None = None
-    calibrated: Calibrated | None = None
-    scales: BlockScales | None = None
-    resumed_from: int | None = None
-    reload: parity.Reload | None = None  # the calibrated model's logits on a held-back example
-    first_round: FirstRun | None = None  # validation's first round, run in calibration's walk
-    reads: ReadTally | None = None
 
 
 def run(config: PipelineConfig) -> PipelineResult:
@@ -99,22 +76,27 @@ def _run_stages(config: PipelineConfig, recipe: Recipe, progress: Progress, comp
     config.output_dir.parent.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(config.seed)
     with opened(config.work_dir, config.output_dir) as work:
-        state = _Run(config, recipe, progress, work, compute, Session(compute))
         # The base, the checkpoint, and what the run keeps on disk until export reads it: the weights
         # calibration changed (one file each under written/) and the static block scales (one file
         # per layer under block_scales/).
         sources = {
             "base": config.base_dir, "checkpoint": work.out, "written": work.written, "block_scales": work.block_scales,
         }
-        state.reads = ReadTally(sources, lambda: progress.current)
+        state = Run(config, recipe, progress, work, compute, Session(compute), ReadTally(sources, lambda: progress.current))
         try:
             with tallying(state.reads):
-                _merge(state)  # its checks before ModelOpt is imported (seconds): bad input fails at once
+                merged = _merge(state)  # its checks before ModelOpt is imported (seconds): bad input fails at once
                 with state.session:
-                    _calibrate(state)
-                    _quantize(state)
-                    _export(state)
-                    result = _validate(state)
+                    release = merged.base.source.release
+                    exported: parity.Reload | ReleaseWrite
+                    if release is None:
+                        calibration, exported = _calibrate_and_export(state, merged)
+                    else:
+                        calibration, exported = _prepare_release(state, merged)
+                    base = merged.base
+                    del merged  # the calibrated model goes with it: validation holds a layer at a time
+                    memory.release(compute.device)
+                    result = validate(state, base, calibration, exported)
         except (UserError, PipelineError, Cancelled):
             raise
         except Exception as exc:
@@ -127,6 +109,67 @@ def _run_stages(config: PipelineConfig, recipe: Recipe, progress: Progress, comp
     return result
 
 
+def _calibrate_and_export(state: Run, merged: Merged) -> tuple[Calibration, parity.Reload]:
+    """Calibrate, quantize and export ``merged``'s model. The calibrated model lives in this call
+    only: it must be unreferenced when export is done, for the collection that frees it (its
+    offload hooks make cycles)."""
+    model, calibration = _calibrate(state, merged)
+    _quantize(state, model, calibration)
+    return calibration, _export(state, model, calibration.corpus, merged.base.tokenizer)
+
+
+def _prepare_release(state: Run, merged: Merged) -> tuple[Calibration, ReleaseWrite]:
+    """A base that ships in FP4: the prepared model is written in the release's own format, every
+    tensor the adapter does not change copied from it, the changed weights rounded onto the
+    release's block scales. No quantizer is calibrated: the release fixes the scales."""
+    config, source = state.config, merged.base.source
+    release = source.release
+    assert release is not None  # the caller's branch: typed as optional on the source
+    if state.recipe.format != release.format:
+        raise UserError(
+            f"the base is {release.format.name.upper()} release ({release.method}): a model prepared from it keeps "
+            f"the release's format, so ask for {release.format.name}, not {state.recipe.format.name}"
+        )
+    progress, gptq = state.progress, state.recipe.gptq
+    with progress.stage("calibrating"):
+        corpus = _corpus(config, merged.base.tokenizer, progress.sub(0.0, 0.2 if gptq else 1.0))
+        rounded, first = _round_on_release(state, merged, corpus, gptq, progress.sub(0.2, 1.0)) if gptq else (None, None)
+    with progress.stage("quantizing"):
+        progress.update(1.0)  # the release's scales are held: nothing to calibrate or fold
+
+    def rounding(tensor: QuantizedTensor, weight: torch.Tensor, steps: torch.Tensor) -> torch.Tensor:
+        values = rounded.values(tensor) if rounded is not None else None
+        return held_scales.nearest(weight, steps) if values is None else values.to(weight.device)
+
+    with progress.stage("exporting"):
+        shutil.rmtree(state.work.out, ignore_errors=True)
+        written = release_export.write(source, merged.weights, state.work.out, rounding, progress.update)
+    written.rounding = rounded.summary() if rounded is not None else {"rounding": "to nearest on the release's block scales"}
+    return Calibration(corpus, Calibrated(expert_tokens={}, factors={}), None, first), written
+
+
+def _round_on_release(
+    state: Run, merged: Merged, corpus: corpus_mod.Corpus, gptq: Gptq, report: Callable[[float], None]
+) -> tuple[held_gptq.HeldGptq, FirstRun | None]:
+    """GPTQ with the release's scales held on the weights the adapter changes, on the Hessians of the
+    BF16 merged model's inputs over the calibration corpus, walked one decoder layer at a time, and
+    validation's first round on the same walk (the BF16 merged model is the one it runs)."""
+    config, device = state.config, state.compute.device
+    model = streaming.build(read_config(config.base_dir), merged.weights, state.compute, config.base_dir)
+    batches = []
+    for start in range(0, len(corpus.sequences), CALIBRATION_BATCH):
+        ids = torch.tensor(corpus.sequences[start : start + CALIBRATION_BATCH], dtype=torch.long, device=device)
+        batches.append((ids, torch.ones_like(ids)))
+    walk = first_round.prepare(
+        model, corpus.parity, config.continuation_tokens, task_set(config, merged.base.tokenizer, model), merged.calibration_bytes
+    )
+    rounded = held_gptq.round_release(
+        model, batches, merged.base.source, merged.weights, state.work.release_codes, gptq.damp, gptq.hessian_stride, report,
+        walk.layer if walk is not None else None,
+    )
+    return rounded, walk.result() if walk is not None else None
+
+
 def parity_reference(config: PipelineConfig) -> parity.Reference:
     """The BF16 merged model of ``config``'s base and adapter on the held-back examples and the
     adapter's task a run with ``config`` validates on: the side every checkpoint is measured against."""
@@ -134,9 +177,9 @@ def parity_reference(config: PipelineConfig) -> parity.Reference:
     examples = _corpus(config, tokenizer).parity
     compute = device_mod.resolve(config.device)
     adapter = load_adapter(config.adapter_dir) if config.adapter_dir else None
-    merged = MergedWeights(TensorSource(config.base_dir), adapter, compute.dtype, compute.device)
+    merged = MergedWeights(BaseSource(config.base_dir), adapter, compute.dtype, compute.device)
     model = streaming.build(read_config(config.base_dir), merged, compute, config.base_dir)
-    return parity.reference_of(model, examples, config.continuation_tokens, task=_task_set(config, tokenizer, model))
+    return parity.reference_of(model, examples, config.continuation_tokens, task=task_set(config, tokenizer, model))
 
 
 def parity_of(config: PipelineConfig, checkpoint: Path, reference: parity.Reference | None = None) -> parity.Behaviour:
@@ -147,209 +190,105 @@ def parity_of(config: PipelineConfig, checkpoint: Path, reference: parity.Refere
     return parity.compare(reference, reader.load(checkpoint, device_mod.resolve(config.device)))
 
 
-def _merge(state: _Run) -> None:
+def _merge(state: Run) -> Merged:
     """Plan the merge against the base (refusing what can't apply; nothing is merged until a layer's
     weights are read), build the streamed model, and check that memory and disk suffice."""
     config, compute = state.config, state.compute
     with state.progress.stage("merging"):
         base_config = read_config(config.base_dir)
-        state.source = TensorSource(config.base_dir)
-        state.adapter = load_adapter(config.adapter_dir) if config.adapter_dir else None
-        state.merged = MergedWeights(state.source, state.adapter, compute.dtype, compute.device)
+        source = BaseSource(config.base_dir)
+        adapter = load_adapter(config.adapter_dir) if config.adapter_dir else None
+        weights = MergedWeights(source, adapter, compute.dtype, compute.device)
         state.progress.update(0.5)
-        state.tokenizer = _tokenizer(config.base_dir)
-        state.model = streaming.skeleton(base_config, state.merged, compute, config.base_dir)
-        state.bf16_bytes = 2 * sum(state.merged.numel(n) for n in state.merged)
+        tokenizer = _tokenizer(config.base_dir)
+        model = streaming.skeleton(base_config, weights, compute, config.base_dir)
         tokens = _total_tokens(config)
-        state.calibration_bytes = preflight.check_memory(
-            state.model, state.merged, compute, tokens, state.recipe, config.sequence_length
-        )
-        hidden = int(state.model.config.hidden_size)
-        preflight.check_disk(state.merged, state.recipe, state.work.root, config.output_dir, hidden, tokens)
-        streaming.attach(state.model, state.merged, compute)
+        calibration_bytes = preflight.check_memory(model, weights, compute, tokens, state.recipe, config.sequence_length)
+        hidden = int(model.config.hidden_size)
+        preflight.check_disk(weights, state.recipe, state.work.root, config.output_dir, hidden, tokens)
+        streaming.attach(model, weights, compute)
+        base = Base(source, adapter, tokenizer, bf16_bytes=2 * sum(weights.numel(n) for n in weights))
+        return Merged(base, weights, model, calibration_bytes)
 
 
-def _calibrate(state: _Run) -> None:
-    """The corpus, then the recipe's calibration, layer by layer; or what an earlier run of the
-    same inputs calibrated, from the work directory."""
-    config, work = state.config, state.work
+def _calibrate(state: Run, merged: Merged) -> tuple[CalibratedModel, Calibration]:
+    """The corpus, then the recipe's calibration, layer by layer, with validation's first round in
+    the same walk; or what an earlier run of the same inputs calibrated, from the work directory."""
+    config, work, model = state.config, state.work, merged.model
     with state.progress.stage("calibrating"):
-        state.corpus = _corpus(config, state.tokenizer, state.progress.sub(0.0, 0.1))
-        work.claim(fingerprint(config, state.compute, state.corpus.stats.calibration_sha256))
-        assert state.merged is not None
-        layers_name, modules = streaming.decoder_layers(state.model)
+        corpus = _corpus(config, merged.base.tokenizer, state.progress.sub(0.0, 0.1))
+        work.claim(fingerprint(config, state.compute, corpus.stats.calibration_sha256))
+        layers_name, modules = streaming.decoder_layers(model)
         layers, done = len(modules), work.calibrated.is_file()
         start = layers if done else work.resume_layer()
         if not done:
             work.forget_layers_from(start, layers_name)
         if state.recipe.mutates_weights:
-            state.merged.keep_written(work.written)
+            merged.weights.keep_written(work.written)
         if done:
-            saved = quantizers.restore(state.model, work.calibrated, state.compute)
-            state.scales = state.session.keep_block_scales(state.model, work.block_scales)
-            state.scales.finish()  # a state saved with its scales in it
-            state.calibrated = Calibrated(
+            saved = quantizers.restore(model, work.calibrated, state.compute)
+            scales = state.session.keep_block_scales(model, work.block_scales)
+            scales.finish()  # a state saved with its scales in it
+            learned = Calibrated(
                 saved["expert_tokens"], saved.get("fold_factors", {}), saved.get("expert_gptq", {}),
                 [GroupError.from_list(row) for row in saved.get("rounding_errors", [])],
             )
-            state.resumed_from = layers
             _note(config, f"Resuming: every layer was calibrated by an earlier run ({layers} layers)")
-            return
+            return CalibratedModel(model, merged.weights, scales), Calibration(corpus, learned, layers, None)
         if start:
-            state.resumed_from = start
             _note(config, f"Resuming calibration at layer {start + 1} of {layers}: an earlier run finished layers 1-{start}")
-        state.scales = state.session.keep_block_scales(state.model, work.block_scales)
+        scales = state.session.keep_block_scales(model, work.block_scales)
         # Validation's first round rides along where calibration walks every layer (not resumed).
         walk = None if start else first_round.prepare(
-            state.model, state.corpus.parity, config.continuation_tokens,
-            _task_set(config, state.tokenizer, state.model), state.calibration_bytes,
+            model, corpus.parity, config.continuation_tokens,
+            task_set(config, merged.base.tokenizer, model), merged.calibration_bytes,
         )
-        state.calibrated = calibrate(
-            state.model, state.recipe, state.corpus.sequences, state.compute, state.session,
+        learned = calibrate(
+            model, state.recipe, corpus.sequences, state.compute, state.session,
             state.progress.sub(0.1, 1.0), work, walk.layer if walk is not None else None,
         )
-        state.scales.finish()
-        state.first_round = walk.result() if walk is not None else None
+        scales.finish()
+        first = walk.result() if walk is not None else None
+        return CalibratedModel(model, merged.weights, scales), Calibration(corpus, learned, start or None, first)
 
 
-def _quantize(state: _Run) -> None:
+def _quantize(state: Run, calibrated: CalibratedModel, calibration: Calibration) -> None:
     """Fused projections share their global scales, the calibration is saved whole, and the
     quantizers compute as the checkpoint will."""
-    work = state.work
-    assert state.calibrated is not None and state.corpus is not None
+    work, model, learned = state.work, calibrated.model, calibration.learned
     with state.progress.stage("quantizing"):
         if not work.calibrated.is_file():
-            quantizers.share_fused_scales(state.model, state.merged)
+            quantizers.share_fused_scales(model, calibrated.weights)
             extra = {
-                "expert_tokens": state.calibrated.expert_tokens, "fold_factors": state.calibrated.factors,
-                "expert_gptq": state.calibrated.expert_gptq,
-                "rounding_errors": [e.to_list() for e in state.calibrated.rounding_errors],
+                "expert_tokens": learned.expert_tokens, "fold_factors": learned.factors, "expert_gptq": learned.expert_gptq,
+                "rounding_errors": [e.to_list() for e in learned.rounding_errors],
             }
-            quantizers.save(state.model, work.calibrated, extra)
+            quantizers.save(model, work.calibrated, extra)
             work.calibration_done()
-        quantizers.declared_inputs_only(state.model, state.recipe)
-        state.session.use_checkpoint_numerics(state.model)
+        quantizers.declared_inputs_only(model, state.recipe)
+        state.session.use_checkpoint_numerics(model)
 
 
-def _export(state: _Run) -> None:
-    """The checkpoint, and the calibrated model's logits on one held-back example for the reload
-    check, computed as export walks the layers (or by a forward of their own where a resumed run's
-    export was already done)."""
-    assert state.corpus is not None
-    example = state.corpus.parity[0].input_ids[:RELOAD_CHECK_TOKENS]
+def _export(state: Run, calibrated: CalibratedModel, corpus: corpus_mod.Corpus, tokenizer: Any) -> parity.Reload:
+    """The checkpoint, and the reload check's reference: the calibrated model's logits on one
+    held-back example, computed as export walks the layers (or by a forward of their own where a
+    resumed run's export was already done). The model's block scales are closed at the end."""
+    example = corpus.parity[0].input_ids[:RELOAD_CHECK_TOKENS]
     with state.progress.stage("exporting"):
-        reference = _write_checkpoint(state, example) if not state.work.exported_mark.is_file() else None
+        if not state.work.exported_mark.is_file():
+            shutil.rmtree(state.work.out, ignore_errors=True)
+            walk = ReloadReference(calibrated.model, example)
+            export(calibrated.model, state.recipe, tokenizer, state.work.out, walk)
+            state.work.exported_mark.touch()
+            reference = walk.logits()
+            del walk
+        else:
+            reference = None
         if reference is None:
-            assert state.scales is not None
-            with state.scales.in_forward():
-                reference = parity.logits(state.model, example)
-        state.reload = parity.Reload(reference, example)
-        state.model = None
-        if state.scales is not None:  # it refers to the model's layers, which must go now
-            state.scales.close()
-            state.scales = None
-        memory.release(state.compute.device)
-
-
-def _write_checkpoint(state: _Run, example: list[int]) -> torch.Tensor | None:
-    """The export, and the reload check's reference computed in its walk. Nothing here outlives the
-    call: the calibrated model must be unreferenced when the export is done, for the collection
-    that frees it (its offload hooks make cycles)."""
-    shutil.rmtree(state.work.out, ignore_errors=True)
-    walk = ReloadReference(state.model, example)
-    export(state.model, state.recipe, state.tokenizer, state.work.out, walk)
-    state.work.exported_mark.touch()
-    return walk.logits()
-
-
-def _validate(state: _Run) -> PipelineResult:
-    """The checkpoint's files, its independent reload, the adapter's change kept, and its behaviour
-    against the BF16 merged model (and on the adapter's own task); then the quality gate."""
-    config, recipe, compute, out = state.config, state.recipe, state.compute, state.work.out
-    progress = state.progress
-    assert state.corpus is not None and state.calibrated is not None and state.reload is not None
-    with progress.stage("validating"):
-        checks = structure.structure(out, recipe.format, state.bf16_bytes)
-        candidate = reader.load(out, compute)
-        progress.update(0.1)
-        # The BF16 merged model again, merged from the base (cheap, deterministic; not the calibrated
-        # model's map, whose changed weights are the checkpoint's), retention measured as it reads.
-        assert state.source is not None
-        merged = MergedWeights(state.source, state.adapter, compute.dtype, compute.device)
-        dequantized = reader.DequantizedWeights(out, torch.float32, compute.device)
-        kept_measure = retention.Retention(merged, dequantized, state.calibrated.factors) if merged.targets() else None
-        merged.watch = kept_measure.observe if kept_measure is not None else None
-        bf16_model = streaming.build(read_config(config.base_dir), merged, compute, config.base_dir)
-        profiles = serving.profiles_to_measure(recipe.name, config.serving_hardware)
-        # The BF16 side once (its continuations, hidden states and task score), then each candidate:
-        # the checkpoint as declared, and as the engine computes it on each profile that differs.
-        share = 0.9 / (len(profiles) + 2)
-        bf16 = _bf16_side(state, bf16_model, progress.sub(0.1, 0.1 + share))
-        merged.watch, state.first_round = None, None
-        kept = kept_measure.report() if kept_measure is not None else None
-        reload_diff, first = _behaviour(bf16, candidate, progress.sub(0.1 + share, 0.1 + 2 * share), state.reload)
-        measured = [first]
-        del candidate
-        for i, (numerics, _) in enumerate(profiles, 2):
-            there = reader.load(out, compute, numerics=numerics.key)
-            measured.append(_behaviour(bf16, there, progress.sub(0.1 + i * share, 0.1 + (i + 1) * share))[1])
-            del there
-        del bf16_model, bf16
-        (behaviour, task), thresholds = measured[0], config.thresholds or recipe.thresholds
-        served = [
-            ServingReport(
-                numerics=numerics.key, description=numerics.description, hardware=hardware, parity=p, task=t,
-                misses=gate.misses(thresholds, p, 0.0, None), as_declared_flag=numerics.as_declared_flag,
-            )
-            for (numerics, hardware), (p, t) in zip(profiles, measured[1:], strict=True)
-        ]
-        missed = gate.misses(thresholds, behaviour, reload_diff, kept)
-        if missed and config.quality_gate:
-            raise PipelineError("the checkpoint missed its quality thresholds: " + "; ".join(missed))
-        assert state.reads is not None
-        sizes = {"base": safetensors_bytes(config.base_dir), "checkpoint": safetensors_bytes(out)}
-        held = {"written": state.work.written, "block_scales": state.work.block_scales}
-        reads = state.reads.report({**sizes, **{name: safetensors_bytes(d) for name, d in held.items()}})
-        result = PipelineResult(
-            output_dir=out, quantization=recipe.name, stage_seconds=dict(progress.stage_seconds),
-            bf16_bytes=state.bf16_bytes, output_bytes=directory_bytes(out), corpus=state.corpus.stats,
-            parity=behaviour, reload_max_logit_diff=reload_diff, retention=kept,
-            expert_tokens=state.calibrated.expert_tokens, expert_gptq=state.calibrated.expert_gptq, checks=checks, task=task, device=compute.describe(),
-            quality_misses=missed, resumed_from_layer=state.resumed_from, serving=served, reads=reads,
-        )
-        result.checks += [f"reload matches the calibrated model (max logit difference {reload_diff:.4f})"]
-        result.checks += report.headline(result.to_dict())
-        model_card.write(out, model_card.lineage(config, recipe, result), result.to_dict())
-    result.stage_seconds = dict(progress.stage_seconds)
-    return result
-
-
-def _bf16_side(state: _Run, bf16_model: Any, report: Callable[[float], None]) -> parity.Reference:
-    """What the BF16 merged model does on the parity examples and the adapter's own task."""
-    config = state.config
-    assert state.corpus is not None
-    task_set = _task_set(config, state.tokenizer, bf16_model)
-    return parity.reference_of(
-        bf16_model, state.corpus.parity, config.continuation_tokens, report, task_set, state.first_round
-    )
-
-
-def _task_set(config: PipelineConfig, tokenizer: Any, model: Any) -> task_mod.TaskSet | None:
-    """The adapter's evaluation prompts (``config.eval_file``, else the adapter's own), if any."""
-    return task_mod.of_adapter(config.eval_file, config.adapter_dir, tokenizer, parity.end_of_turn(model))
-
-
-def _behaviour(
-    bf16: parity.Reference, candidate: Any, report: Callable[[float], None], reload: parity.Reload | None = None
-) -> tuple[float, tuple[ParityReport, TaskReport | None]]:
-    """The reload difference (given ``reload``, else 0), parity with the BF16 merged model, and the
-    adapter's own task on both, where it has one."""
-    measured = parity.compare(bf16, candidate, report, reload)
-    difference = measured.reload_difference or 0.0
-    if bf16.task is None or measured.task_success is None:
-        return difference, (measured.parity, None)
-    task_report = TaskReport(prompts=len(bf16.task.prompts), bf16_success=bf16.task_success, quantized_success=measured.task_success)
-    return difference, (measured.parity, task_report)
+            with calibrated.scales.in_forward():
+                reference = parity.logits(calibrated.model, example)
+        calibrated.scales.close()  # it refers to the model's layers
+        return parity.Reload(reference, example)
 
 
 def _total_tokens(config: PipelineConfig) -> int:

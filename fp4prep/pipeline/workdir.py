@@ -47,6 +47,7 @@ class WorkDir:
     expert_tokens = property(lambda self: self.root / "expert_tokens.json")
     written = property(lambda self: self.root / "written")
     block_scales = property(lambda self: self.root / "block_scales")
+    release_codes = property(lambda self: self.root / "release_codes")  # GPTQ's codes for a release, per layer
     calibrated = property(lambda self: self.root / "calibrated.pt")
     out = property(lambda self: self.root / "out")
     exported_mark = property(lambda self: self.root / "exported")

@@ -1,0 +1,1 @@
+"""The jobs app's management commands."""

@@ -2,7 +2,7 @@
 
 import django.db.models.deletion
 import django.utils.timezone
-import fp4prep.ids
+import fp4prep.site.ids
 from django.db import migrations, models
 
 
@@ -31,7 +31,7 @@ class Migration(migrations.Migration):
         migrations.CreateModel(
             name='CalibrationFile',
             fields=[
-                ('id', models.CharField(default=fp4prep.ids.file_id, editable=False, max_length=40, primary_key=True, serialize=False)),
+                ('id', models.CharField(default=fp4prep.site.ids.file_id, editable=False, max_length=40, primary_key=True, serialize=False)),
                 ('purpose', models.CharField(default='calibration', max_length=20)),
                 ('filename', models.CharField(max_length=255)),
                 ('size_bytes', models.BigIntegerField()),
@@ -48,7 +48,7 @@ class Migration(migrations.Migration):
         migrations.CreateModel(
             name='Job',
             fields=[
-                ('id', models.CharField(default=fp4prep.ids.job_id, editable=False, max_length=40, primary_key=True, serialize=False)),
+                ('id', models.CharField(default=fp4prep.site.ids.job_id, editable=False, max_length=40, primary_key=True, serialize=False)),
                 ('status', models.CharField(choices=[('pending', 'Pending'), ('queued', 'Queued'), ('running', 'Running'), ('cancel_requested', 'Cancel Requested'), ('cancelled', 'Cancelled'), ('completed', 'Completed'), ('error', 'Error'), ('user_error', 'User Error')], db_index=True, default='pending', max_length=20)),
                 ('stage', models.CharField(blank=True, max_length=20)),
                 ('progress', models.FloatField(default=0.0)),

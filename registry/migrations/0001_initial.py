@@ -2,7 +2,7 @@
 
 import django.db.models.deletion
 import django.utils.timezone
-import fp4prep.ids
+import fp4prep.site.ids
 from django.conf import settings
 from django.db import migrations, models
 
@@ -40,7 +40,7 @@ class Migration(migrations.Migration):
         migrations.CreateModel(
             name='Project',
             fields=[
-                ('id', models.CharField(default=fp4prep.ids.project_id, editable=False, max_length=40, primary_key=True, serialize=False)),
+                ('id', models.CharField(default=fp4prep.site.ids.project_id, editable=False, max_length=40, primary_key=True, serialize=False)),
                 ('name', models.CharField(max_length=100)),
                 ('blocked', models.BooleanField(default=False)),
                 ('blocked_reason', models.CharField(blank=True, max_length=200)),
@@ -54,7 +54,7 @@ class Migration(migrations.Migration):
         migrations.CreateModel(
             name='Model',
             fields=[
-                ('id', models.CharField(default=fp4prep.ids.model_id, editable=False, max_length=40, primary_key=True, serialize=False)),
+                ('id', models.CharField(default=fp4prep.site.ids.model_id, editable=False, max_length=40, primary_key=True, serialize=False)),
                 ('kind', models.CharField(choices=[('base', 'Base'), ('adapter', 'Adapter'), ('merged', 'Merged'), ('full', 'Full'), ('prepared', 'Prepared')], max_length=10)),
                 ('name', models.CharField(max_length=200)),
                 ('base_model', models.CharField(blank=True, max_length=200)),
@@ -103,7 +103,7 @@ class Migration(migrations.Migration):
         migrations.CreateModel(
             name='DeploymentProfile',
             fields=[
-                ('id', models.CharField(default=fp4prep.ids.profile_id, editable=False, max_length=40, primary_key=True, serialize=False)),
+                ('id', models.CharField(default=fp4prep.site.ids.profile_id, editable=False, max_length=40, primary_key=True, serialize=False)),
                 ('name', models.CharField(max_length=100)),
                 ('hardware', models.CharField(max_length=100)),
                 ('gpu_count', models.PositiveIntegerField()),
@@ -117,7 +117,7 @@ class Migration(migrations.Migration):
         migrations.CreateModel(
             name='Revision',
             fields=[
-                ('id', models.CharField(default=fp4prep.ids.revision_id, editable=False, max_length=40, primary_key=True, serialize=False)),
+                ('id', models.CharField(default=fp4prep.site.ids.revision_id, editable=False, max_length=40, primary_key=True, serialize=False)),
                 ('number', models.PositiveIntegerField()),
                 ('path', models.CharField(help_text='Relative to FP4PREP_ARTIFACT_ROOT', max_length=500)),
                 ('size_bytes', models.BigIntegerField()),

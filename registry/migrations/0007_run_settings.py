@@ -2,16 +2,7 @@
 
 from django.db import migrations
 
-from registry.catalogue import install
-
-
-def forward(apps, schema_editor):
-    install(apps)
-
 
 class Migration(migrations.Migration):
     dependencies = [("registry", "0006_smollm2_gptq_thresholds")]
-    operations = [
-        migrations.RenameField("supportedbase", "recipe", "run_settings"),
-        migrations.RunPython(forward, migrations.RunPython.noop),
-    ]
+    operations = [migrations.RenameField("supportedbase", "recipe", "run_settings")]

@@ -102,3 +102,50 @@ def _shapes(config: object) -> dict[str, tuple[int, ...]]:
 def _copy_tokenizer(tokenizer_dir: Path, path: Path) -> None:
     for f in tokenizer_dir.iterdir():
         shutil.copy(f, path / f.name)
+
+
+def gpt_oss_release(path: Path, tokenizer_dir: Path) -> tuple[Path, Path]:
+    """A tiny random gpt-oss model as OpenAI's releases ship it (routed experts in ``*_blocks`` /
+    ``*_scales``, MXFP4 rounded to nearest, everything else BF16) in ``path/release``, and its weights
+    dequantized in ``path/dense``: what an adapter trained on the release learned on."""
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoModelForCausalLM, GptOssConfig
+
+    from fp4prep.pipeline.formats.numerics import e2m1_round, mxfp4_exponents, pack_e2m1
+    from fp4prep.pipeline.model.releases import BaseSource
+
+    config = GptOssConfig(
+        vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=16, intermediate_size=64, num_local_experts=4, num_experts_per_tok=2, max_position_embeddings=512,
+        tie_word_embeddings=False, eos_token_id=2, bos_token_id=1, pad_token_id=2, layer_types=["full_attention"] * 2,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+    )
+    config.architectures = ["GptOssForCausalLM"]
+    torch.manual_seed(0)
+    dense, release = path / "dense", path / "release"
+    AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).save_pretrained(release)
+    _copy_tokenizer(tokenizer_dir, release)
+    stored = {}
+    for name, tensor in load_file(str(release / "model.safetensors")).items():
+        if ".experts." not in name or name.endswith("_bias"):
+            stored[name] = tensor
+            continue
+        rows = tensor.float().transpose(1, 2)  # stored output-major: [experts, outputs, inputs]
+        exponents = mxfp4_exponents(rows, 32)
+        blocks = rows.reshape(*exponents.shape, 32) / torch.exp2(exponents).unsqueeze(-1)
+        packed = pack_e2m1(e2m1_round(blocks, ties_to_even=False).reshape(rows.shape))
+        stored[f"{name}_blocks"] = packed.reshape(*packed.shape[:2], -1, 16)
+        stored[f"{name}_scales"] = (exponents + 127).to(torch.uint8)
+    save_file(stored, str(release / "model.safetensors"), metadata={"format": "pt"})
+    declared = json.loads((release / "config.json").read_text())
+    declared["quantization_config"] = {
+        "quant_method": "mxfp4",
+        "modules_to_not_convert": ["model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"],
+    }
+    (release / "config.json").write_text(json.dumps(declared, indent=2))
+    shutil.copytree(release, dense)
+    source = BaseSource(release)
+    save_file({n: source.get(n).contiguous() for n in source.names()}, str(dense / "model.safetensors"), metadata={"format": "pt"})
+    declared.pop("quantization_config")
+    (dense / "config.json").write_text(json.dumps(declared, indent=2))
+    return release, dense

@@ -12,7 +12,7 @@ from fp4prep.pipeline import Cancelled, device
 from tests.tiny import save_adapter
 
 from .helpers import run_tiny
-from .test_streaming import cancel_at, checkpoint_bytes, six_layer_base
+from .model.test_streaming import cancel_at, checkpoint_bytes, six_layer_base
 
 pytestmark = pytest.mark.cuda
 

@@ -71,7 +71,7 @@ def test_it_refuses_to_export_an_expert_that_received_no_tokens(make_base, tmp_p
 def test_experts_gathered_in_chunks_give_the_same_checkpoint_as_all_at_once(
     make_base, calibration_file: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from .test_streaming import checkpoint_bytes
+    from .model.test_streaming import checkpoint_bytes
 
     base = make_base("glm4_moe")
     whole = run_tiny(base, tmp_path / "whole", calibration_file=calibration_file)

@@ -79,7 +79,7 @@ def test_an_awq_run_stopped_midway_resumes_to_the_same_bytes(
     from fp4prep.pipeline import Cancelled
     from tests.tiny import tiny_config
 
-    from .test_streaming import cancel_at, checkpoint_bytes
+    from .model.test_streaming import cancel_at, checkpoint_bytes
 
     config = tiny_config("llama")
     config.num_hidden_layers = 4

@@ -140,9 +140,8 @@ def calibration(people: People, calibration_bytes: bytes) -> dict[str, Any]:
 
 @pytest.fixture
 def shipped_catalogue(transactional_db: Any) -> None:
-    """The migration's catalogue (GLM-5.3, Kimi-K3, SmolLM2); live-server tests flush tables between tests."""
-    from django.apps import apps
-
+    """The shipped catalogue (GLM-5.3, Kimi-K3, SmolLM2), as the migrations install it; live-server tests
+    flush tables between tests, so it is installed again."""
     from registry.catalogue import install
 
-    install(apps)
+    install()

@@ -161,3 +161,33 @@ def test_a_superuser_manages_membership(job: Job) -> None:
     client.force_login(root)
     change_project(client, job.project, members=[root.pk])
     assert list(Project.objects.get(pk=job.project_id).members.all()) == [root]
+
+
+def test_a_catalogue_entry_edited_in_the_admin_with_run_settings_the_pipeline_cannot_take_is_refused_naming_the_field(
+    catalogue: Any,
+) -> None:
+    import json
+
+    root = User.objects.create_superuser("root", password="pw")
+    client = Client()
+    client.force_login(root)
+    url = reverse("admin:registry_supportedbase_change", args=[catalogue.pk])
+    form = {
+        "slug": catalogue.slug, "family": catalogue.family, "accepted_base_ids": json.dumps(catalogue.accepted_base_ids),
+        "served_base_id": catalogue.served_base_id, "quantization": catalogue.quantization,
+        "user_token_minimum": catalogue.user_token_minimum, "typical_hours": catalogue.typical_hours,
+        "gpu_count": catalogue.gpu_count, "price_per_gpu_hour": catalogue.price_per_gpu_hour,
+        "worker_kind": catalogue.worker_kind, "weights_location": catalogue.weights_location,
+        "weights_format": catalogue.weights_format,
+        "weight_shapes": json.dumps(catalogue.weight_shapes), "active": "on",
+        "profiles-TOTAL_FORMS": 0, "profiles-INITIAL_FORMS": 0, "profiles-MIN_NUM_FORMS": 0, "profiles-MAX_NUM_FORMS": 1000,
+    }
+    refused = client.post(url, {**form, "run_settings": json.dumps({"sequence_length": "long"})})
+    assert refused.status_code == 200  # the form again, with the error
+    assert "run_settings.sequence_length: must be a whole number, not &#x27;long&#x27;" in refused.content.decode()
+    catalogue.refresh_from_db()
+    assert catalogue.run_settings["sequence_length"] == 128
+    saved = client.post(url, {**form, "run_settings": json.dumps({**catalogue.run_settings, "sequence_length": 256})})
+    assert saved.status_code == 302
+    catalogue.refresh_from_db()
+    assert catalogue.run_settings["sequence_length"] == 256

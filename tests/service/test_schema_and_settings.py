@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -52,6 +53,16 @@ def test_the_schema_is_served_and_lists_every_endpoint(live_server: Any) -> None
     assert set(schema["paths"]) == api_paths()
     job = schema["components"]["schemas"]["JobDetail"]["properties"]
     assert {"status", "stage", "progress", "eta_seconds", "results", "report"} <= set(job)
+    # Every query parameter a view reads (``query_params.get("...")``) is in the schema.
+    read = {
+        name for path in [*(ROOT / "jobs").glob("*.py"), *(ROOT / "registry").glob("*.py")]
+        for name in re.findall(r"query_params\.get\(\"(\w+)\"", path.read_text())
+    }
+    declared = {
+        p["name"] for item in schema["paths"].values() for operation in item.values() if isinstance(operation, dict)
+        for p in operation.get("parameters", []) if p["in"] == "query"
+    }
+    assert read == {"status", "after", "kind"} and read <= declared
 
 
 def test_the_schema_generates_without_warnings() -> None:
@@ -67,7 +78,7 @@ def test_the_web_process_never_imports_torch() -> None:
         "print('torch' in sys.modules, 'transformers' in sys.modules)"
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120,
-                            env={**os.environ, "DJANGO_SETTINGS_MODULE": "fp4prep.settings"})
+                            env={**os.environ, "DJANGO_SETTINGS_MODULE": "fp4prep.site.settings"})
     assert result.stdout.strip().splitlines()[-1] == "False False", result.stderr
 
 
@@ -149,7 +160,7 @@ def test_system_checks_catch_settings_that_cannot_work(env: dict[str, str], chec
 
 
 def test_env_helpers_raise_on_bad_values(monkeypatch: pytest.MonkeyPatch) -> None:
-    from fp4prep import env
+    from fp4prep.site import env
 
     monkeypatch.setenv("X_FLOAT", "fast")
     with pytest.raises(ImproperlyConfigured, match="X_FLOAT='fast' is not a number"):

@@ -27,7 +27,7 @@ def _fnmatch_to_ct(pattern: str) -> str:
     return "re:" + re.escape(pattern).replace(r"\*", ".*").replace(r"\?", ".") + "$"
 
 
-def _scheme(modelopt_algo: str, activations: bool) -> tuple[str, dict[str, Any], dict[str, Any] | None]:
+def scheme(modelopt_algo: str, activations: bool) -> tuple[str, dict[str, Any], dict[str, Any] | None]:
     """The format's compressed-tensors name, and its weights' and inputs' quantization args."""
     fmt = next((f for f in FORMATS.values() if f.modelopt_algo == modelopt_algo.upper() and f.ct_format), None)
     if fmt is None or not fmt.e2m1:
@@ -55,7 +55,7 @@ def to_compressed_tensors(src: Path, dst: Path, activations: bool = True) -> Non
     quant_config_path = src / QUANT_CONFIG_FILE
     modelopt_config = json.loads(quant_config_path.read_text())["quantization"]
     quant_algo = modelopt_config["quant_algo"]
-    fmt, weights, inputs = _scheme(quant_algo, activations)
+    fmt, weights, inputs = scheme(quant_algo, activations)
     dst.mkdir(parents=True, exist_ok=True)
     for path in sorted(src.glob("*.safetensors")):
         shard = SafetensorsFile(path)

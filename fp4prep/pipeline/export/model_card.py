@@ -56,7 +56,8 @@ def lineage(config: PipelineConfig, recipe: Recipe, result: PipelineResult) -> d
         "recipe": {
             "name": recipe.name,
             "modelopt_config": recipe.format.modelopt_config,
-            "calibration": recipe.calibration,
+            # A release's scales are its own: only the rounding of the weights the adapter changed is ours.
+            "calibration": recipe.calibration if result.release is None else "changed weights rounded " + result.release["rounding"],
             "quant_algo": recipe.format.declared,
             "layout": recipe.format.layout.name,
             # How calibration, the AWQ search and parity quantized each layer's input.
@@ -66,7 +67,9 @@ def lineage(config: PipelineConfig, recipe: Recipe, result: PipelineResult) -> d
         },
         "metrics": {
             k: metrics[k]
-            for k in ("parity", "retention", "task", "reload_max_logit_diff", "corpus", "expert_tokens", "expert_gptq", "reads")
+            for k in (
+                "parity", "retention", "task", "reload_max_logit_diff", "corpus", "expert_tokens", "expert_gptq", "reads", "release",
+            )
         },
         "quality_gate": {"enforced": config.quality_gate, "misses": result.quality_misses},
         "device": result.device,
@@ -80,14 +83,27 @@ def write(output_dir: Path, lineage: dict[str, Any], result: dict[str, Any]) -> 
     """The lineage as JSON and as the checkpoint's README, with the run's report (``result``)."""
     (output_dir / LINEAGE_FILE).write_text(json.dumps(lineage, indent=2, default=str) + "\n")
     recipe = lineage["recipe"]
+    release = result.get("release")
+    how = [
+        "Prepared by fp4prep: the adapter was merged into the base's BF16 weights, then the merged",
+        "model was calibrated and quantized with NVIDIA ModelOpt.",
+    ] if not release else [
+        "Prepared by fp4prep from a base that ships in FP4, in the release's own format: the adapter was",
+        "merged into the release's weights as the engine dequantizes them; "
+        f"{release['copied']} tensors copied from the release byte for byte, {release['requantized']} quantized",
+        f"weights the adapter changed given new codes on the release's own scales, {release['rewritten']} unquantized "
+        "tensors it changed written merged.",
+        f"The changed weights were rounded {release['rounding']}"
+        + (f", keeping {release['kept_in_outputs']:.0%} of the adapter's change in the layers' outputs."
+           if release.get("kept_in_outputs") is not None else "."),
+    ]
     lines = [
         "---",
         f"tags: [fp4prep, {recipe['name']}, quantized, {recipe['layout']}]",
         "---",
         f"# {lineage.get('name') or 'Prepared model'} ({recipe['quant_algo']})",
         "",
-        "Prepared by fp4prep: the adapter was merged into the base's BF16 weights, then the merged",
-        "model was calibrated and quantized with NVIDIA ModelOpt.",
+        *how,
         "",
         "| | |",
         "|---|---|",

@@ -23,7 +23,7 @@ through these functions, which follow vLLM's reference arithmetic, the one its k
   with its helpers in ``quantization_cute_dsl_utils.py``. On other GPUs vLLM runs it weights-only
   (Marlin) and the input stays BF16.
 
-``tests/pipeline/test_engine_numerics.py`` holds vLLM's own outputs for the NVFP4 and FP8 functions
+``tests/pipeline/formats/test_engine_numerics.py`` holds vLLM's own outputs for the NVFP4 and FP8 functions
 on random tensors (written by ``benchmarks/engine_check.py vectors`` with vLLM installed) and
 requires equal values. FlashInfer's MXFP4 kernel runs only on a Blackwell GPU, so its function is
 checked against the kernel's arithmetic case by case (each branch of its scale rounding).

@@ -144,7 +144,18 @@ def unpack_e2m1(packed: torch.Tensor) -> torch.Tensor:
     return E2M1_PAIRS.to(packed.device)[packed.int()].reshape(*packed.shape[:-1], -1)
 
 
-def _scale_blocks(values: torch.Tensor, steps: torch.Tensor) -> torch.Tensor:
+def pack_e2m1(values: torch.Tensor) -> torch.Tensor:
+    """E2M1 values ``[..., K]`` (on the grid: what ``e2m1_round`` gives) to uint8 ``[..., K/2]``,
+    the low nibble the even element; the inverse of ``unpack_e2m1`` (a zero keeps its sign)."""
+    mag = values.float().abs()
+    # The grid's codes 0-7: steps of 0.5 up to 2, then 3, 4, 6 (codes 5, 6, 7).
+    code = torch.where(mag <= 2, mag * 2, torch.where(mag <= 4, mag + 2, mag / 2 + 4)).to(torch.uint8)
+    code = code | (torch.signbit(values.float()).to(torch.uint8) << 3)
+    pairs = code.reshape(*values.shape[:-1], -1, 2)
+    return (pairs[..., 0] | (pairs[..., 1] << 4)).contiguous()
+
+
+def scale_blocks(values: torch.Tensor, steps: torch.Tensor) -> torch.Tensor:
     """Each block of ``values`` (the last dimension, split in ``steps.shape[-1]`` blocks) times its step."""
     blocks = values.reshape(*steps.shape, -1)
     return (blocks * steps.unsqueeze(-1)).reshape(values.shape)
@@ -153,11 +164,11 @@ def _scale_blocks(values: torch.Tensor, steps: torch.Tensor) -> torch.Tensor:
 def dequantize_nvfp4(packed: torch.Tensor, block_scale: torch.Tensor, global_scale: float) -> torch.Tensor:
     # Scale times global first, as engines and ModelOpt do: the rounding order shows in BF16.
     steps = block_scale.float() * torch.tensor(global_scale, dtype=torch.float32)
-    return _scale_blocks(unpack_e2m1(packed), steps)
+    return scale_blocks(unpack_e2m1(packed), steps)
 
 
 def dequantize_mxfp4(packed: torch.Tensor, exponents: torch.Tensor) -> torch.Tensor:
-    return _scale_blocks(unpack_e2m1(packed), torch.exp2(exponents.float() - 127))
+    return scale_blocks(unpack_e2m1(packed), torch.exp2(exponents.float() - 127))
 
 
 def dequantize_fp8(weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:

@@ -155,23 +155,16 @@ def base_weight_shapes(directory: Path) -> dict[str, Any]:
     the name transformers' model of the config gives it (routed experts fused), layer and expert
     indices as ``*``, and which 3-D expert tensors are stored [experts, in, out]."""
     from ..model.experts import CheckpointNames
+    from ..model.releases import BaseSource
 
     try:
         config = json.loads((directory / "config.json").read_text())
         layers = int(config.get("text_config", config)["num_hidden_layers"])
     except (OSError, ValueError, KeyError, TypeError) as exc:
         raise UserError(f"{directory.name}: no readable config.json with num_hidden_layers ({exc})") from None
-    stored: dict[str, list[int]] = {}
-    files = sorted(directory.glob("*.safetensors"))
-    if not files:
-        raise UserError(f"{directory.name} holds no .safetensors weights")
-    for path in files:
-        with path.open("rb") as f:
-            (length,) = struct.unpack("<Q", f.read(8))
-            header = json.loads(f.read(length))
-        header.pop("__metadata__", None)
-        for name, entry in header.items():
-            stored[name] = list(entry["shape"])
+    # Headers only: an FP4 release's weights by their dense names and shapes, as the merge reads them.
+    source = BaseSource(directory)
+    stored = {name: list(source.shape(name)) for name in source.names()}
     names = CheckpointNames(config, list(stored))
     tensors: dict[str, list[int]] = {}
     for name, shape in [*stored.items(), *((n, list(s)) for n, s in names.shapes.items())]:

@@ -7,7 +7,7 @@ in once, its weights as merged until the recipe's steps change them; run through
 before the steps and with its quantizers off, the round costs no read of its own, and validation
 starts from its states and kept keys and values (``prompt_cache.FirstRun``). The arithmetic is the
 one validation's own round does (``layer_walk``, the same batches): the states are the same to the
-bit (``tests/pipeline/test_first_round.py``).
+bit (``tests/pipeline/validation/test_first_round.py``).
 """
 
 from __future__ import annotations

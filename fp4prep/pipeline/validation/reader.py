@@ -33,6 +33,7 @@ from ..formats.numerics import (
 )
 from ..model import streaming
 from ..model.lazy import LazyWeights
+from ..model.releases import BaseSource, release_of
 from ..model.safetensors import TensorSource, read_config
 from ..serving import MXFP4_W4A4
 
@@ -57,6 +58,18 @@ class DequantizedWeights(LazyWeights):
     ) -> None:
         self.numerics = numerics
         self.config = read_config(directory)
+        # gpt-oss's layout (``quant_method: mxfp4``, experts in ``*_blocks``/``*_scales``) declares no
+        # format the rest of this reader knows: its weights are read as a release's are, weights only.
+        # Every other checkpoint is one of fp4prep's exports (FP8 included, which no base release is).
+        qc = self.config.get("quantization_config")
+        gpt_oss = isinstance(qc, dict) and str(qc.get("quant_method", "")).lower() == "mxfp4"
+        release = release_of(self.config, str(directory)) if gpt_oss else None
+        self.gpt_oss = BaseSource(directory) if release is not None and release.method == "mxfp4" else None
+        self.source: TensorSource
+        if self.gpt_oss is not None:
+            self.source, self.quantized = self.gpt_oss, set()
+            super().__init__(self.config, sorted(self.gpt_oss.names()), dtype, device)
+            return
         self.declared = declared(self.config)
         self.source = TensorSource(directory)
         names = set(self.source.names())
@@ -89,12 +102,14 @@ class DequantizedWeights(LazyWeights):
 
     def stored_shape(self, name: str) -> tuple[int, ...]:
         module = name.rpartition(".")[0]
-        if module not in self.quantized:
+        if module not in self.quantized or self.gpt_oss is not None:
             return self.source.shape(name)
         shape = self.source.shape(f"{module}.{self.declared.layout.packed_name}")
         return (*shape[:-1], shape[-1] * 2) if self.declared.format.e2m1 else shape
 
     def stored(self, name: str) -> torch.Tensor:
+        if self.gpt_oss is not None:
+            return self.gpt_oss.get(name, self.dtype, self.device)
         module = name.rpartition(".")[0]
         if module not in self.quantized:
             return self.source.raw(name).to(self.device, self.dtype)

@@ -68,6 +68,34 @@ def headline(report: dict[str, Any]) -> list[str]:
         )
     for served in report.get("serving") or []:
         lines.append(f"served on {_hardware(served)}: {_serving_summary(served)}")
+    release = report.get("release")
+    if release:
+        lines.append(
+            f"in its FP4 release's own format: {release['copied']} tensors copied from the release byte for byte, "
+            f"{release['requantized']} quantized weights the adapter changed given new codes on the release's scales, "
+            f"{release['rewritten']} unquantized tensors it changed written merged"
+        )
+        lines += _release_rounding(release)
+    return lines
+
+
+def _release_rounding(release: dict[str, Any]) -> list[str]:
+    """How the changed weights of a release were rounded, what they kept of the change in the
+    layers' outputs, and which kept too little."""
+    lines = [f"changed weights rounded {release['rounding']}"]
+    kept, nearest = release.get("kept_in_outputs"), release.get("kept_in_outputs_nearest")
+    if kept is not None:
+        lines[0] += f": {kept:.0%} of the adapter's change in the layers' outputs kept ({nearest:.0%} rounding to nearest)"
+    not_kept = release.get("not_kept") or {}
+    if not_kept:
+        shown = ", ".join(f"{name} {share:.0%}" for name, share in list(not_kept.items())[:10])
+        more = f" and {len(not_kept) - 10} more" if len(not_kept) > 10 else ""
+        lines.append(f"the adapter's change did not survive FP4 rounding in {len(not_kept)} weights (share kept): {shown}{more}")
+    nearest_ones = release.get("rounded_to_nearest") or {}
+    if nearest_ones:
+        why = "; ".join(f"{n} ({reason})" for n, reason in list(nearest_ones.items())[:10])
+        more = f" and {len(nearest_ones) - 10} more" if len(nearest_ones) > 10 else ""
+        lines.append(f"{len(nearest_ones)} changed weights rounded to nearest, GPTQ having no inputs for them: {why}{more}")
     return lines
 
 

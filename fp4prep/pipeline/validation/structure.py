@@ -108,3 +108,26 @@ def _check_fused_globals(globals_: dict[str, float]) -> str:
                     )
                 shared += 1
     return f"fused groups share one global scale ({shared} groups)"
+
+
+def same_as_release(directory: Path, release: Path, bf16_bytes: int) -> list[str]:
+    """A model written in its FP4 release's format checked against the release: the same
+    quantization config, every stored tensor with the same name, dtype and shape, nothing added
+    (the scales are the release's own); raises PipelineError naming the first difference."""
+    ours, theirs = read_config(directory), read_config(release)
+    if ours.get("quantization_config") != theirs.get("quantization_config"):
+        raise PipelineError("the checkpoint's quantization_config differs from its release's")
+    written, shipped = TensorSource(directory), TensorSource(release)
+    if sorted(written.names()) != sorted(shipped.names()):
+        extra, missing = set(written.names()) - set(shipped.names()), set(shipped.names()) - set(written.names())
+        raise PipelineError(f"the checkpoint's tensors differ from its release's: added {sorted(extra)[:3]}, missing {sorted(missing)[:3]}")
+    for name in shipped.names():
+        if (written.stored_dtype(name), written.shape(name)) != (shipped.stored_dtype(name), shipped.shape(name)):
+            raise PipelineError(f"{name}: stored as {written.stored_dtype(name)} {written.shape(name)}, the release has "
+                                f"{shipped.stored_dtype(name)} {shipped.shape(name)}")
+    size = directory_bytes(directory)
+    return [
+        f"the release's format ({theirs['quantization_config'].get('quant_method')}) and its {len(shipped.names())} tensors' "
+        f"names, dtypes and shapes, nothing added",
+        f"size {size:,} bytes ({size / bf16_bytes:.2f}x the BF16 merged model)",
+    ]

@@ -1,0 +1,1 @@
+"""``manage.py runworker``, ``rundemo`` and ``baseshapes``."""

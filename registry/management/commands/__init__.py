@@ -1,0 +1,1 @@
+"""``manage.py catalogue`` and ``manage.py createproject``."""

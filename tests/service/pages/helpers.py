@@ -12,7 +12,7 @@ from registry.models import Project
 ROOT = Path(__file__).resolve().parents[3]
 
 
-# The screenshots CI keeps (README, "Dashboard"): every page, desktop and phone width.
+# The screenshots CI keeps (docs/service.md, "The dashboard"): every page, desktop and phone width.
 SCREENSHOTS = Path(os.environ.get("FP4PREP_SCREENSHOTS", ROOT / "artifacts" / "screenshots"))
 
 

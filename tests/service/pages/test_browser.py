@@ -4,7 +4,7 @@ alice signs in, registers an adapter, uploads a bad calibration file and reads i
 good one, estimates, creates a job after confirming and watches it complete without reloading, then
 reads the quality chart and downloads the checkpoint. bob, her teammate, starts a job and cancels it
 while it runs. charlie, an outsider, gets 404 on both jobs. Every page is saved as a screenshot at
-desktop and phone width (README, "Dashboard").
+desktop and phone width (docs/service.md, "The dashboard").
 """
 
 from __future__ import annotations

@@ -17,7 +17,7 @@ import pytest
 from django.core.files.uploadedfile import SimpleUploadedFile
 from django.utils.html import escape
 
-from fp4prep.errors import InvalidInput, TooLarge
+from fp4prep.site.errors import InvalidInput, TooLarge
 from registry import archives
 from registry.models import Model, Revision
 
