@@ -29,7 +29,7 @@ class EventInline(admin.TabularInline):
 
 @admin.register(Job)
 class JobAdmin(LoggedActions):
-    list_display = ["id", "project", "status", "stage", "progress_percent", "supported_base", "worker", "created_at"]
+    list_display = ["id", "project", "status", "stage", "progress_percent", "supported_base", "worker", "requeued_as", "created_at"]
     list_filter = ["status", "supported_base", "supported_base__worker_kind", "created_at"]
     search_fields = ["id", "project__id", "project__name", "adapter__id", "worker"]
     list_select_related = ["project", "supported_base"]
@@ -70,8 +70,8 @@ class JobAdmin(LoggedActions):
                 self.log(request, job, f"Requeued as {new.id}", reason)
                 self.message_user(request, f"Job {job.id}: requeued as {new.id}.", messages.SUCCESS)
             except ServiceError as exc:
-                level = messages.WARNING if exc.code == "not_requeueable" else messages.ERROR
-                self.message_user(request, exc.message if exc.code == "not_requeueable" else f"Job {job.id}: {exc.message}", level)
+                expected = exc.code in ("not_requeueable", "already_requeued")
+                self.message_user(request, exc.message if expected else f"Job {job.id}: {exc.message}", messages.WARNING if expected else messages.ERROR)
 
 
 @admin.register(CalibrationFile)

@@ -106,6 +106,10 @@ class Job(models.Model):
     # A retried create with the same Idempotency-Key gets this job back instead of a second one.
     idempotency_key = models.CharField(max_length=255, blank=True)
     request_fingerprint = models.CharField(max_length=64, blank=True)
+    # The job support's requeue made of this one: a failed job is requeued once.
+    requeued_as = models.OneToOneField(
+        "self", null=True, blank=True, on_delete=models.SET_NULL, related_name="requeued_from"
+    )
 
     # Set (not stored) on the job a create returns when it was made by an earlier request.
     replayed = False

@@ -248,30 +248,43 @@ def requeue(job: Job) -> Job:
     """Support's action: run a failed or cancelled job's inputs again as a new job (new hold, new ID).
 
     What the failed job finished (its calibrated layers, its export) moves to the new job, which
-    continues from there.
+    continues from there. A job is requeued once: its row is locked while the new job is made, so a
+    second requeue (from another admin session at the same time, or later) is refused naming the
+    job the first made, and never holds credit a second time.
     """
-    if job.status not in REQUEUEABLE:
-        why = {
-            Job.Status.COMPLETED: "its model is registered, and a requeue would hold and charge for that work again",
-            Job.Status.USER_ERROR: "it stopped on its inputs, which would fail the same way: the customer fixes them and creates a new job",
-        }.get(job.status, "it has not ended")
-        raise Conflict(
-            f"Job {job.id} is {job.status}; only jobs that ended in error or were cancelled can be requeued: {why}",
-            code="not_requeueable",
+    with transaction.atomic():
+        # The project first, as a create locks it: two requeues wait on each other, never deadlock.
+        Project.objects.select_for_update().get(pk=job.project_id)
+        locked = Job.objects.select_for_update().get(pk=job.pk)
+        if locked.requeued_as_id:
+            raise Conflict(
+                f"Job {job.id} was already requeued as {locked.requeued_as_id}; requeue that job if it fails too",
+                code="already_requeued",
+            )
+        if locked.status not in REQUEUEABLE:
+            why = {
+                Job.Status.COMPLETED: "its model is registered, and a requeue would hold and charge for that work again",
+                Job.Status.USER_ERROR: "it stopped on its inputs, which would fail the same way: the customer fixes them and creates a new job",
+            }.get(locked.status, "it has not ended")
+            raise Conflict(
+                f"Job {job.id} is {locked.status}; only jobs that ended in error or were cancelled can be requeued: {why}",
+                code="not_requeueable",
+            )
+        inputs = {
+            "adapter_object_id": locked.adapter_id,
+            "adapter_revision_id": locked.adapter_revision_id,
+            "calibration_file_id": locked.calibration_file_id,
+        }
+        new = create_job(locked.project, inputs)
+        locked.requeued_as = new
+        locked.save(update_fields=["requeued_as"])
+        kept = work_dir(job.id)
+        resumes = kept.is_dir() and locked.status == Job.Status.ERROR
+        if resumes:
+            kept.rename(work_dir(new.id))
+        new.event(
+            STATUS_EVENT,
+            f"Requeued from {job.id} by support" + ("; it continues from where that job stopped" if resumes else ""),
+            data={"status": new.status, "requeued_from": job.id},
         )
-    inputs = {
-        "adapter_object_id": job.adapter_id,
-        "adapter_revision_id": job.adapter_revision_id,
-        "calibration_file_id": job.calibration_file_id,
-    }
-    new = create_job(job.project, inputs)
-    kept = work_dir(job.id)
-    resumes = kept.is_dir() and job.status == Job.Status.ERROR
-    if resumes:
-        kept.rename(work_dir(new.id))
-    new.event(
-        STATUS_EVENT,
-        f"Requeued from {job.id} by support" + ("; it continues from where that job stopped" if resumes else ""),
-        data={"status": new.status, "requeued_from": job.id},
-    )
     return new

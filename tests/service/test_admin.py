@@ -69,6 +69,50 @@ def test_support_cancels_and_requeues_a_job(support: Client, job: Job) -> None:
     assert logged(job.id) == [("sam", "Cancelled: asked by the customer"), ("sam", f"Requeued as {new.id}: asked by the customer")]
 
 
+def test_a_failed_job_is_requeued_once_and_a_second_requeue_names_the_first(support: Client, job: Job) -> None:
+    Job.objects.filter(pk=job.pk).update(status="error")
+    held = job.project.credit().held
+    action(support, "jobs_job", "requeue", job.id)
+    new = Job.objects.exclude(pk=job.pk).get()
+    page = action(support, "jobs_job", "requeue", job.id).content.decode()
+    assert f"Job {job.id} was already requeued as {new.id}" in page
+    assert Job.objects.count() == 2 and job.project.credit().held == held + Decimal("0.10")
+    job.refresh_from_db()
+    assert job.requeued_as == new and new.id in support.get(reverse("admin:jobs_job_changelist")).content.decode()
+    assert [m for _, m in logged(job.id)] == [f"Requeued as {new.id}: asked by the customer"]
+
+
+def test_two_requeues_at_once_make_one_job_and_hold_once(job: Job) -> None:
+    import threading
+
+    from django.db import connection
+
+    from fp4prep.site.errors import Conflict
+
+    Job.objects.filter(pk=job.pk).update(status="error")
+    held = job.project.credit().held
+    start = threading.Barrier(2)
+    made: list[str] = []
+    refused: list[str] = []
+
+    def requeue() -> None:
+        try:
+            start.wait()
+            made.append(services.requeue(Job.objects.get(pk=job.pk)).id)
+        except Conflict as exc:
+            refused.append(exc.message)
+        finally:
+            connection.close()
+
+    threads = [threading.Thread(target=requeue) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(made) == 1 and refused == [f"Job {job.id} was already requeued as {made[0]}; requeue that job if it fails too"]
+    assert Job.objects.count() == 2 and job.project.credit().held == held + Decimal("0.10")
+
+
 @pytest.mark.parametrize(
     ("status", "why"),
     [
