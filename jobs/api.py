@@ -126,7 +126,7 @@ class JobEvents(APIView):
         events = job.events.order_by("id")
         after = request.query_params.get("after")
         if after:
-            if not after.isdigit():
+            if not (after.isascii() and after.isdigit() and len(after) <= 18):  # "²".isdigit(); a bigint's digits
                 raise InvalidInput("after: must be an event id (a whole number)")
             events = events.filter(id__gt=int(after))
         return Response({"data": EventSerializer(events, many=True).data})

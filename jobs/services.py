@@ -18,7 +18,7 @@ from typing import Any
 
 from django.db import transaction
 
-from fp4prep.site.errors import Conflict, Forbidden, InvalidInput, PaymentRequired
+from fp4prep.site.errors import Conflict, Forbidden, InvalidInput, PaymentRequired, check_length
 from fp4prep.text import excerpt
 from registry.models import (
     CreditTransaction,
@@ -83,7 +83,9 @@ def _string(inputs: dict[str, Any], key: str, required: bool = False) -> str | N
         return None
     if not isinstance(value, str):
         raise InvalidInput(f"inputs.{key} must be a string")
-    return value
+    if not value.isprintable():  # control characters, lone surrogates: no ID holds one
+        raise InvalidInput(f"inputs.{key}: {excerpt(value)} holds a character no ID has")
+    return check_length(f"inputs.{key}", value, 64)
 
 
 def resolve_inputs(project: Project, inputs: dict[str, Any]) -> Inputs:

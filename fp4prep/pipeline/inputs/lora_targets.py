@@ -35,9 +35,26 @@ def normalize(name: str) -> str:
     return _INDEX.sub(".*", name)
 
 
+# An index of more digits than this is past any model's layers or experts (and more than 4,300
+# digits would not even convert).
+INDEX_DIGITS = 9
+
+
+def _index(pattern: str, name: str) -> int | None:
+    match = re.search(pattern, name)
+    if match is None:
+        return None
+    digits = match.group(1)
+    return int(digits) if len(digits) <= INDEX_DIGITS else 10**INDEX_DIGITS
+
+
 def layer_index(name: str) -> int | None:
-    match = re.search(r"\.layers\.(\d+)\.", name)
-    return int(match.group(1)) if match else None
+    return _index(r"\.layers\.(\d+)\.", name)
+
+
+def expert_index(name: str) -> int | None:
+    """A per-expert module's expert (``...experts.3.w1``), or None."""
+    return _index(r"\.experts\.(\d+)\.", name)
 
 
 def lora_pairs(shapes: dict[str, Shape]) -> tuple[dict[str, dict[str, str]], dict[str, str]]:
@@ -68,7 +85,8 @@ class BaseTensors:
     per-expert modules name their targets).
 
     ``normalized``: the names are kept with their layer and expert indices as ``*`` (the catalogue's
-    table), and a name whose layer is past ``layers`` is refused with the count.
+    table), and a name whose layer is past ``layers``, or whose expert is past the routed experts
+    the table's fused expert tensors stack, is refused with the count.
     """
 
     def __init__(
@@ -82,6 +100,8 @@ class BaseTensors:
         self.transposed_names = set(transposed)
         self.normalized = normalized
         self.layers = layers
+        stacked = [s[0] for n, s in shapes.items() if len(s) == 3 and ".experts." in n]
+        self.experts = max(stacked) if normalized and stacked else None
         self._modules: dict[str, list[str]] = {}
         for name in shapes:
             self._modules.setdefault(name.rpartition(".")[0], []).append(name)
@@ -92,6 +112,11 @@ class BaseTensors:
         index = layer_index(name)
         if self.layers is not None and index is not None and index >= self.layers:
             raise UserError(f"the adapter targets {clip(name.removesuffix('.weight'), 80)}, but the base has {self.layers} layers")
+        expert = expert_index(name)
+        if self.experts is not None and expert is not None and expert >= self.experts:
+            raise UserError(
+                f"the adapter targets {clip(name.removesuffix('.weight'), 80)}, but the base has {self.experts} routed experts a layer"
+            )
         return normalize(name)
 
     def shape(self, name: str) -> Shape | None:

@@ -157,6 +157,27 @@ def test_an_expert_adapter_is_checked_at_upload_as_the_merge_checks_it(
         read_as_we_do(base, adapter)
 
 
+@pytest.mark.parametrize(
+    ("module", "message"),
+    [
+        ("model.layers.1.block_sparse_moe.experts.9999.w1", "experts.9999.w1, but the base has 4 routed experts a layer"),
+        (f"model.layers.1.block_sparse_moe.experts.{'9' * 5000}.w1", "but the base has 4 routed experts a layer"),
+        (f"model.layers.{'7' * 5000}.block_sparse_moe.experts.0.w1", "but the base has 2 layers"),
+    ],
+    ids=["expert-9999", "expert-5000-digits", "layer-5000-digits"],
+)
+def test_a_per_expert_module_past_the_bases_experts_or_layers_is_refused_at_upload(
+    make_base, module: str, message: str
+) -> None:
+    table = base_weight_shapes(make_base("mixtral"))
+    config = {"peft_type": "LORA", "r": 4, "lora_alpha": 8, "target_modules": ["w1"]}
+    shapes = {f"base_model.model.{module}.lora_A.weight": (4, 64), f"base_model.model.{module}.lora_B.weight": (32, 4)}
+    good = {k.replace(module, "model.layers.1.block_sparse_moe.experts.3.w1"): v for k, v in shapes.items()}
+    check_against_base(good, config, table)  # the last expert of the last layer: accepted
+    with pytest.raises(UserError, match=message):
+        check_against_base(shapes, config, table)
+
+
 def test_a_mixtral_checkpoint_goes_through_with_its_expert_adapter_and_keeps_its_names(
     make_base, calibration_file: Path, tmp_path: Path
 ) -> None:

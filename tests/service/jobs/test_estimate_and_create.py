@@ -143,6 +143,22 @@ def test_a_malformed_body_names_the_field(people: People, catalogue: Any, body: 
     assert (status, code) == (400, "invalid_request") and ("inputs" in message)
 
 
+@pytest.mark.parametrize("field", ["adapter_object_id", "adapter_revision_id", "calibration_file_id"])
+def test_an_id_holding_a_lone_surrogate_is_a_400_naming_the_field(people: People, adapter: dict[str, Any], field: str) -> None:
+    inputs = {"adapter_object_id": adapter["id"], field: "ml_\ud800"}
+    for path in (f"{JOBS}/estimate", JOBS):
+        status, code, message = error_of(people.alice.post(path, json={"inputs": inputs}))
+        assert (status, code) == (400, "invalid_request") and message == f"inputs.{field}: 'ml_\\ud800' holds a character no ID has"
+    assert people.alice.get(JOBS).json()["data"] == []
+
+
+@pytest.mark.parametrize("after", ["²", "①", "1" * 5000, "-1"])
+def test_an_events_cursor_that_is_not_a_whole_number_is_a_400(people: People, adapter: dict[str, Any], after: str) -> None:
+    job = people.alice.create(adapter_object_id=adapter["id"]).json()
+    status, _, message = error_of(people.alice.get(f"{JOBS}/{job['id']}/events", params={"after": after}))
+    assert (status, message) == (400, "after: must be an event id (a whole number)")
+
+
 def test_requests_without_a_valid_key_are_refused(people: People) -> None:
     people.alice.key = ""
     assert error_of(people.alice.get(JOBS))[:2] == (401, "authentication_failed")
