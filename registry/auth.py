@@ -10,6 +10,8 @@ from django.conf import settings
 from django.utils import timezone
 from rest_framework import authentication, exceptions, permissions, throttling
 
+from fp4prep.site.addresses import client_address
+
 from .models import ApiKey, Project
 
 logger = logging.getLogger(__name__)
@@ -125,7 +127,7 @@ class AddressThrottle(_CacheThrottle):
     def get_cache_key(self, request: Any, view: Any) -> str | None:
         if not self.refused and isinstance(getattr(request, "auth", None), ApiKey):
             return None
-        return self.key_for(self.get_ident(request))
+        return self.key_for(client_address(request))
 
     @classmethod
     def key_for(cls, address: str) -> str:

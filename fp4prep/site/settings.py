@@ -170,6 +170,8 @@ AUTHENTICATION_BACKENDS = [
 AXES_FAILURE_LIMIT = env_int("FP4PREP_SIGNIN_FAILURES", 5, minimum=1)
 AXES_COOLOFF_TIME = timedelta(minutes=env_float("FP4PREP_SIGNIN_LOCKOUT_MINUTES", 15.0, minimum=0.1))
 AXES_LOCKOUT_PARAMETERS = [["username", "ip_address"]]
+# The address the API's rates use (trusted proxies honoured), not the proxy's own.
+AXES_CLIENT_IP_CALLABLE = "fp4prep.site.addresses.client_address"
 AXES_RESET_ON_SUCCESS = True
 AXES_LOCKOUT_TEMPLATE = "locked_out.html"
 AXES_VERBOSE = False

@@ -53,6 +53,26 @@ def test_repeated_failed_sign_ins_lock_that_user_out_from_that_address(people: P
     assert other.status_code == 302
 
 
+def test_behind_a_trusted_proxy_a_lockout_is_the_clients_own(people: People) -> None:
+    # One proxy in front: every request reaches the site from the proxy's address, and the client's
+    # is the last X-Forwarded-For entry. An attacker's failures lock out only the attacker's address.
+    def through_proxy(client_address: str, password: str, path: str = "/login/", spoofed: str = "") -> Any:
+        forwarded = f"{spoofed}, {client_address}" if spoofed else client_address
+        return Client(REMOTE_ADDR="10.0.0.2", HTTP_X_FORWARDED_FOR=forwarded).post(path, {"username": "alice", "password": password})
+
+    with override_settings(TRUSTED_PROXIES=1):
+        for _ in range(4):
+            assert through_proxy("203.0.113.9", "wrong").status_code == 200
+        assert through_proxy("203.0.113.9", "wrong").status_code == 429
+        assert through_proxy("203.0.113.9", "pw").status_code == 429
+        # The real user, from another address, signs in on the dashboard and the admin alike.
+        assert through_proxy("198.51.100.4", "pw").status_code == 302
+        assert through_proxy("198.51.100.4", "pw", "/admin/login/").status_code in (200, 302)
+        assert through_proxy("198.51.100.4", "wrong", "/admin/login/").status_code == 200
+        # The attacker can't name another address: entries before the proxy's are the client's own words.
+        assert through_proxy("203.0.113.9", "pw", spoofed="198.51.100.77").status_code == 429
+
+
 def test_a_successful_sign_in_resets_the_count(people: People) -> None:
     client = Client()
     for _ in range(4):
