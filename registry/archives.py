@@ -26,12 +26,14 @@ from typing import IO, Any
 from fp4prep.pipeline.errors import UserError
 from fp4prep.pipeline.inputs.adapter_files import (
     CONFIG_NAME,
+    PATTERN_MAX_SECONDS,
     PATTERN_MAX_STEPS,
     WEIGHTS_NAME,
     Shape,
     check_against_base,
     check_config,
     lora_pairs,
+    match_budget,
     read_header,
 )
 from fp4prep.site.errors import InvalidInput, TooLarge
@@ -202,6 +204,14 @@ def extract(
     must be there and the config must be one the merge can apply, its rank and alpha patterns
     costing at most ``max_pattern_steps`` to match.
     """
+    # Every pattern match of this upload shares one time budget, each field compiled once.
+    with match_budget(PATTERN_MAX_SECONDS):
+        return _extract(archive, target, max_bytes, max_files, base_shapes, max_pattern_steps)
+
+
+def _extract(
+    archive: Path, target: Path, max_bytes: int, max_files: int, base_shapes: dict[str, Any] | None, max_pattern_steps: int
+) -> Path:
     adapter = _Adapter(base_shapes, max_pattern_steps)
     budget = _Budget(max_bytes, max_files)
     target.mkdir(parents=True, exist_ok=True)

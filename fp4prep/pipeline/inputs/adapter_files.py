@@ -24,15 +24,17 @@ from .lora_patterns import (
     PATTERN_FIELDS,
     PATTERN_MAX_CHARS,
     PATTERN_MAX_KEYS,
+    PATTERN_MAX_SECONDS,
     PATTERN_MAX_STEPS,
     Patterns,
+    match_budget,
     pattern_value,
 )
 from .lora_targets import WEIGHTS_NAME, Shape, lora_modules, lora_pairs, normalize, table_base
 
 __all__ = [
-    "CONFIG_NAME", "PATTERN_MAX_STEPS", "WEIGHTS_NAME", "Shape", "base_weight_shapes", "check_against_base", "check_config",
-    "lora_pairs", "pattern_value", "read_header",
+    "CONFIG_NAME", "PATTERN_MAX_SECONDS", "PATTERN_MAX_STEPS", "WEIGHTS_NAME", "Shape", "base_weight_shapes",
+    "check_against_base", "check_config", "lora_pairs", "match_budget", "pattern_value", "read_header",
 ]
 
 # safetensors itself refuses headers over 100 MB; a LoRA adapter's header is a few hundred KB.
@@ -82,8 +84,8 @@ def check_config(config: Any, modules: Iterable[str], max_pattern_steps: int = P
             if len(key) > PATTERN_MAX_CHARS:
                 raise UserError(f"{CONFIG_NAME}: {field} key {excerpt(key)} is longer than {PATTERN_MAX_CHARS} characters")
             _positive_number(value, f"{field}[{excerpt(key)}]")
-        compiled = Patterns(config, field)
-        compiled.check_cost(len(names), max_pattern_steps)
+        compiled = Patterns.of(config, field)
+        compiled.check_cost(names, max_pattern_steps)
         for module in names:
             compiled.value(module, None)
 

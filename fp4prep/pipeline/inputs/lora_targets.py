@@ -303,10 +303,10 @@ def lora_modules(
     if not pairs and not whole:
         raise UserError(f"{WEIGHTS_NAME} holds no LoRA weights")
     orientations = [bool(config.get("fan_in_fan_out"))] if config is not None else [False, True]
-    ranks, alphas = (Patterns(config, "rank_pattern"), Patterns(config, "alpha_pattern")) if config else (None, None)
+    ranks, alphas = (Patterns.of(config, "rank_pattern"), Patterns.of(config, "alpha_pattern")) if config else (None, None)
     for patterns in (ranks, alphas):
         if patterns is not None and max_pattern_steps is not None:
-            patterns.check_cost(len(pairs), max_pattern_steps)
+            patterns.check_cost(list(pairs), max_pattern_steps)
     checked: list[LoraPair] = []
     missing: list[str] = []
     wrapped: dict[str, list[tuple[str, dict[str, str]]]] = {}
