@@ -378,7 +378,12 @@ def flatten(adapter_dir: Path, root: Path) -> None:
                 shutil.rmtree(child)
             else:
                 child.unlink()
-    unwrapped = adapter_dir.rename(root / ".fp4prep-unwrap")  # a file inside may share the folder's name
+    # Renamed first, as a file inside may share the folder's name; to a name nothing inside has.
+    inside = {item.name for item in adapter_dir.iterdir()}
+    name = ".fp4prep-unwrap"
+    while name in inside or name == adapter_dir.name:
+        name += "_"
+    unwrapped = adapter_dir.rename(root / name)
     for item in list(unwrapped.iterdir()):
         shutil.move(str(item), str(root / item.name))
     unwrapped.rmdir()

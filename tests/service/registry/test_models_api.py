@@ -61,6 +61,15 @@ def test_an_adapter_registers_from_a_tar_gz_and_its_files_are_stored(people: Peo
     assert manifest(revision.directory)[2] == revision.sha256 == body["latest_revision"]["sha256"]
 
 
+@pytest.mark.parametrize("inside", [".fp4prep-unwrap", ".fp4prep-unwrap/x", "wrap"])
+def test_a_wrapper_folder_holding_any_name_unwraps(people: People, catalogue: Any, inside: str) -> None:
+    files = {f"wrap/{name}": content for name, content in VALID.items()} | {f"wrap/{inside}": b"notes"}
+    response = people.alice.post("/v1/models", files={"file": ("a.zip", zipped(files))}, data={"base_model": TINY_BASE_ID})
+    assert response.status_code == 201, response.text
+    revision = Revision.objects.get(pk=response.json()["latest_revision"]["id"])
+    assert {f["path"] for f in revision.files} == {"adapter_config.json", "adapter_model.safetensors", inside}
+
+
 def test_a_zip_registers_and_a_new_revision_goes_to_the_same_adapter(people: People, catalogue: Any) -> None:
     first = people.alice.post("/v1/models", files={"file": ("a.zip", zipped(VALID))}, data={"base_model": TINY_BASE_ID}).json()
     second = people.alice.post(
