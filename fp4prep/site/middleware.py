@@ -78,3 +78,29 @@ class ContentSecurityPolicy:
         if not request.path.startswith(CSP_EXEMPT):
             response.headers.setdefault("Content-Security-Policy", CONTENT_SECURITY_POLICY)
         return response
+
+
+class OutOfMemory:
+    """A request whose handling ran out of memory answers 413 and stores nothing, never a 500: the
+    upload code writes inside transactions and temporary files that an exception rolls back and
+    removes, and this turns what is left, the MemoryError, into the answer (the API's envelope
+    under ``/v1/``, a plain page elsewhere)."""
+
+    MESSAGE = "The request needs more memory than the server gives one request; nothing was stored"
+
+    def __init__(self, get_response: Callable[[HttpRequest], HttpResponse]) -> None:
+        self.get_response = get_response
+
+    def __call__(self, request: HttpRequest) -> HttpResponse:
+        return self.get_response(request)
+
+    def process_exception(self, request: HttpRequest, exception: Exception) -> HttpResponse | None:
+        if not isinstance(exception, MemoryError):
+            return None
+        from django.db import transaction
+
+        if transaction.get_connection().in_atomic_block:
+            transaction.set_rollback(True)
+        if request.path.startswith("/v1/"):
+            return JsonResponse({"error": {"code": "payload_too_large", "message": self.MESSAGE}}, status=413)
+        return HttpResponse(self.MESSAGE, status=413, content_type="text/plain; charset=utf-8")

@@ -53,6 +53,7 @@ MIDDLEWARE = [
     "django.contrib.sessions.middleware.SessionMiddleware",
     "django.middleware.common.CommonMiddleware",
     "fp4prep.site.middleware.BodyLimit",  # before the CSRF check, which reads the body
+    "fp4prep.site.middleware.OutOfMemory",  # a MemoryError in a view: 413, never a 500
     "django.middleware.csrf.CsrfViewMiddleware",
     "django.contrib.auth.middleware.AuthenticationMiddleware",
     "django.contrib.messages.middleware.MessageMiddleware",

@@ -147,3 +147,30 @@ def test_requests_without_a_valid_key_are_limited_per_address(people: People) ->
         assert requests.get(f"{url}/v1/schema", timeout=60).status_code == 429
         assert people.alice.get("/v1/whoami").status_code == 200  # a valid key is not counted against its address
     cache.delete(AddressThrottle.key_for("127.0.0.1"))
+
+
+def test_a_request_that_runs_out_of_memory_answers_413_and_stores_nothing(people: People, monkeypatch: Any) -> None:
+    # Memory runs out where the upload's lines are validated (the fault injected): the file copied
+    # so far is removed, no record is made, and the answer is the envelope, not a 500.
+    from django.conf import settings
+
+    from jobs import calibration
+    from jobs.models import CalibrationFile
+
+    def out_of_memory(lines: Any) -> Any:
+        next(iter(lines))
+        raise MemoryError
+
+    monkeypatch.setattr(calibration, "validate", out_of_memory)
+    line = (json.dumps({"messages": [{"role": "user", "content": "hi"}]}) + "\n").encode()
+    status, code, message = error_of(people.alice.upload_file(line * 100))
+    assert (status, code) == (413, "payload_too_large")
+    assert message == "The request needs more memory than the server gives one request; nothing was stored"
+    client = Client()
+    client.force_login(User.objects.get(username="alice"))
+    from django.core.files.uploadedfile import SimpleUploadedFile
+
+    page = client.post(f"/projects/{people.project_a.id}/files/", {"file": SimpleUploadedFile("c.jsonl", line * 100)})
+    assert page.status_code == 413 and "nothing was stored" in page.content.decode()
+    folder = settings.ARTIFACT_ROOT / "files"
+    assert CalibrationFile.objects.count() == 0 and not (folder.exists() and any(folder.rglob("*")))
