@@ -57,7 +57,7 @@ class LedgerInline(ReadOnlyInline):
 
 class ApiKeyInline(ReadOnlyInline):
     model = ApiKey
-    fields = ["prefix", "name", "created_at", "last_used_at", "revoked_at"]
+    fields = ["prefix", "name", "scope", "created_at", "last_used_at", "revoked_at"]
     readonly_fields = fields
 
 
@@ -144,10 +144,10 @@ class CreditTransactionAdmin(admin.ModelAdmin):
 
 @admin.register(ApiKey)
 class ApiKeyAdmin(LoggedActions):
-    list_display = ["prefix", "name", "project", "created_at", "last_used_at", "revoked_at"]
-    list_filter = ["revoked_at"]
+    list_display = ["prefix", "name", "scope", "project", "created_at", "last_used_at", "revoked_at"]
+    list_filter = ["scope", "revoked_at"]
     search_fields = ["prefix", "name", "project__id", "project__name"]
-    readonly_fields = ["project", "prefix", "name", "created_at", "last_used_at", "revoked_at"]
+    readonly_fields = ["project", "prefix", "name", "scope", "created_at", "last_used_at", "revoked_at"]
     fields = readonly_fields
     actions = ["revoke"]
 

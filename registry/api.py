@@ -26,10 +26,12 @@ from fp4prep.site.rest import uploaded_file
 
 from . import artifacts, services
 from .auth import project_of
-from .models import NEWEST_FIRST, Model, get_model, get_revision
+from .models import NEWEST_FIRST, ApiKey, Model, get_model, get_revision
 from .serializers import (
+    ApiKeySerializer,
     DeploymentProfileSerializer,
     ModelSerializer,
+    NewApiKeySerializer,
     ProjectSerializer,
     RegisterAdapterSerializer,
     RevisionSerializer,
@@ -45,6 +47,7 @@ class WhoAmI(APIView):
             {
                 "id": project.id,
                 "name": project.name,
+                "key_scope": request.auth.scope,
                 "blocked": project.blocked,
                 "balance_usd": float(credit.balance),
                 "held_usd": float(credit.held),
@@ -56,6 +59,22 @@ class WhoAmI(APIView):
                 },
             }
         )
+
+
+@extend_schema_view(get=extend_schema(summary="The project's API keys, newest first (never the keys themselves)"))
+class ApiKeyList(ListAPIView):
+    serializer_class = ApiKeySerializer
+
+    def get_queryset(self) -> Any:
+        return project_of(self.request).api_keys.order_by("-created_at", "-id")
+
+    @extend_schema(summary="Create an API key (a key of the full scope only); the key is in this answer only",
+                   request=ApiKeySerializer, responses={201: NewApiKeySerializer})
+    def post(self, request: Request) -> Response:
+        fields = ApiKeySerializer(data=request.data)
+        fields.is_valid(raise_exception=True)
+        key, raw = ApiKey.issue(project_of(request), fields.validated_data["name"], fields.validated_data["scope"])
+        return Response({**ApiKeySerializer(key).data, "key": raw}, status=201)
 
 
 @takes_uploads

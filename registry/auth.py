@@ -55,10 +55,18 @@ class ApiKeyAuthentication(authentication.BaseAuthentication):
 
 
 class HasProject(permissions.BasePermission):
+    """A valid key, and for anything but reading (GET, HEAD, OPTIONS) a key of the ``full`` scope."""
+
     def has_permission(self, request: Any, view: Any) -> bool:
         if not isinstance(request.user, ProjectPrincipal):
             AddressThrottle.check(request)
             raise exceptions.NotAuthenticated("Send your API key: 'Authorization: Bearer <api key>'")
+        key = request.auth
+        if isinstance(key, ApiKey) and key.scope != ApiKey.Scope.FULL and request.method not in permissions.SAFE_METHODS:
+            raise exceptions.PermissionDenied(
+                f"API key {key.prefix}… has the {key.scope} scope: it lists and fetches, and may not "
+                f"{request.method} here; use a key of the full scope"
+            )
         return True
 
 

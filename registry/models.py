@@ -112,9 +112,14 @@ def hash_key(raw: str) -> str:
 class ApiKey(models.Model):
     """Stored hashed; the key itself is shown once, when created."""
 
+    class Scope(models.TextChoices):
+        FULL = "full"  # everything the project may do: upload, spend credit, cancel, make keys
+        READ = "read"  # list and fetch only: for dashboards, monitoring and downloads
+
     project = models.ForeignKey(Project, on_delete=models.CASCADE, related_name="api_keys")
     NAME_MAX = 100
     name = models.CharField(max_length=NAME_MAX, blank=True)
+    scope = models.CharField(max_length=8, choices=Scope.choices, default=Scope.FULL)
     prefix = models.CharField(max_length=12, editable=False)
     hashed = models.CharField(max_length=64, unique=True, editable=False)
     created_at = models.DateTimeField(default=timezone.now)
@@ -129,9 +134,9 @@ class ApiKey(models.Model):
         return f"{self.prefix}… ({self.name or 'unnamed'})"
 
     @classmethod
-    def issue(cls, project: Project, name: str = "") -> tuple[ApiKey, str]:
+    def issue(cls, project: Project, name: str = "", scope: str = Scope.FULL) -> tuple[ApiKey, str]:
         raw = ids.api_key()
-        return cls.objects.create(project=project, name=name, prefix=raw[:12], hashed=hash_key(raw)), raw
+        return cls.objects.create(project=project, name=name, scope=scope, prefix=raw[:12], hashed=hash_key(raw)), raw
 
     @classmethod
     def find(cls, raw: str) -> ApiKey | None:

@@ -68,8 +68,23 @@ class LimitsSerializer(serializers.Serializer):
     adapter_archive_bytes = serializers.IntegerField(help_text="the largest adapter archive (unpacked) an upload takes")
 
 
+class ApiKeySerializer(serializers.Serializer):
+    id = serializers.IntegerField(read_only=True)
+    name = serializers.CharField(max_length=100, required=False, allow_blank=True, default="")
+    scope = serializers.ChoiceField(choices=["full", "read"], default="full")
+    prefix = serializers.CharField(read_only=True)
+    created_at = serializers.DateTimeField(read_only=True)
+    last_used_at = serializers.DateTimeField(read_only=True, allow_null=True)
+    revoked_at = serializers.DateTimeField(read_only=True, allow_null=True)
+
+
+class NewApiKeySerializer(ApiKeySerializer):
+    key = serializers.CharField(read_only=True, help_text="The key itself: shown only in this answer")
+
+
 class ProjectSerializer(serializers.Serializer):
     id = serializers.CharField()
+    key_scope = serializers.CharField(help_text="The scope of the key that asks: full or read")
     name = serializers.CharField()
     blocked = serializers.BooleanField()
     balance_usd = serializers.FloatField()

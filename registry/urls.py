@@ -6,6 +6,7 @@ from . import api
 
 urlpatterns = [
     path("whoami", api.WhoAmI.as_view(), name="api-whoami"),
+    path("keys", api.ApiKeyList.as_view(), name="api-keys"),
     path("models", api.ModelList.as_view(), name="api-models"),
     path("models/<str:model_id>", api.ModelDetail.as_view(), name="api-model"),
     path("models/<str:model_id>/revisions", api.RevisionList.as_view(), name="api-revisions"),

@@ -12,8 +12,9 @@ from django.views.decorators.http import require_POST
 from django_htmx.http import HttpResponseClientRedirect
 
 from fp4prep.pipeline.validation import report as quality
-from fp4prep.site.errors import NotFound, ServiceError, check_length
+from fp4prep.site.errors import InvalidInput, NotFound, ServiceError, check_length
 from fp4prep.site.pages import SESSION_PROJECT, member_projects, paginate, project_page, upload, upload_page
+from fp4prep.text import excerpt
 
 from . import artifacts, services, serving
 from .models import NEWEST_FIRST, ApiKey, Model, Project, SupportedBase, get_model, get_revision
@@ -35,7 +36,10 @@ def keys(request: HttpRequest, project: Project) -> HttpResponse:
     if request.method == "POST":
         try:
             name = check_length("name", request.POST.get("name", "").strip(), ApiKey.NAME_MAX)
-            _, new_key = ApiKey.issue(project, name)
+            scope = request.POST.get("scope", ApiKey.Scope.FULL)
+            if scope not in ApiKey.Scope.values:
+                raise InvalidInput(f"scope: one of {', '.join(ApiKey.Scope.values)}, not {excerpt(scope)}")
+            _, new_key = ApiKey.issue(project, name, scope)
         except ServiceError as exc:
             error = exc.message
     page = paginate(request, project.api_keys.order_by("revoked_at", "-created_at"))

@@ -14,6 +14,8 @@ from .store import (
     cmd_files_get,
     cmd_files_list,
     cmd_files_upload,
+    cmd_keys_create,
+    cmd_keys_list,
     cmd_models_configs,
     cmd_models_download,
     cmd_models_get,
@@ -83,5 +85,13 @@ def add_commands(sub: Any) -> None:
     p.add_argument("model_id", metavar="ML")
     p.add_argument("--revision", metavar="RV", help="default: the latest")
     p.add_argument("--output", "-o", metavar="DIR", help="default: ./ML-RV")
+
+    keys = sub.add_parser("keys", help="the project's API keys").add_subparsers(dest="verb", required=True)
+    p = command(keys, "create", cmd_keys_create, "make a key (shown once); needs a key of the full scope")
+    p.add_argument("--name", default="", help="what it is for, e.g. 'CI pipeline'")
+    p.add_argument("--scope", choices=["full", "read"], default="full",
+                   help="full: everything the project may do; read: list and fetch only (default full)")
+    p = command(keys, "list", cmd_keys_list, "the project's keys (never the keys themselves)")
+    p.add_argument("--page", type=int)
 
     command(sub, "whoami", cmd_whoami, "the API key's project and its credit")

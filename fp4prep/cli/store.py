@@ -128,12 +128,36 @@ def cmd_models_download(client: Client, args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_keys_create(client: Client, args: argparse.Namespace) -> int:
+    key = client.keys.create(args.name, args.scope)
+    if args.json:
+        out.dump(key.raw)
+        return 0
+    print(key.key)
+    print(f"Created {key.prefix}… ({key.name or 'unnamed'}, scope {key.scope}). It is shown only this once: keep it now.",
+          file=sys.stderr)
+    return 0
+
+
+def cmd_keys_list(client: Client, args: argparse.Namespace) -> int:
+    page = client.keys.list(page=args.page)
+    if args.json:
+        out.dump(page.raw)
+        return 0
+    rows = [[f"{k.prefix}…", k.name or "-", k.scope, out.when(k.created_at), out.when(k.last_used_at) if k.last_used_at else "never",
+             "revoked" if k.revoked_at else "active"] for k in page.data]
+    print(out.table(["KEY", "NAME", "SCOPE", "CREATED", "LAST USED", "STATE"], rows))
+    more(page)
+    return 0
+
+
 def cmd_whoami(client: Client, args: argparse.Namespace) -> int:
     project = client.whoami()
     if args.json:
         out.dump(project.raw)
         return 0
-    print(out.facts([("Project", project.id), ("Name", project.name), ("Blocked", "yes" if project.blocked else "no"),
+    print(out.facts([("Project", project.id), ("Name", project.name), ("Key scope", project.key_scope),
+                     ("Blocked", "yes" if project.blocked else "no"),
                      ("Balance", out.usd(project.balance_usd)), ("Held", out.usd(project.held_usd)),
                      ("Available", out.usd(project.available_usd)), ("Server", client.base_url)]))
     return 0

@@ -21,6 +21,7 @@ import requests
 
 from .errors import APIConnectionError, ConfigurationError, error_for
 from .types import (
+    ApiKey,
     DeploymentProfile,
     Estimate,
     EventList,
@@ -60,6 +61,7 @@ class Client:
         self.session = requests.Session()
         self.session.headers.update({"Authorization": f"Bearer {self.api_key}", "User-Agent": "fp4prep-client"})
         self.files = Files(self)
+        self.keys = Keys(self)
         self.models = Models(self)
         self.post_training = PostTraining(self)
 
@@ -122,6 +124,20 @@ def _opened(file: FileInput) -> tuple[str, IO[bytes], bool]:
         path = Path(file)
         return path.name, path.open("rb"), True
     return Path(getattr(file, "name", "upload")).name, file, False
+
+
+class Keys:
+    """The project's API keys. Making one takes a key of the full scope."""
+
+    def __init__(self, client: Client) -> None:
+        self._client = client
+
+    def create(self, name: str = "", scope: str = "full") -> ApiKey:
+        """A new key; its ``key`` is the secret, returned this once."""
+        return parse(ApiKey, self._client.request("POST", "/v1/keys", json={"name": name, "scope": scope}).json())
+
+    def list(self, page: int | None = None) -> Page[ApiKey]:
+        return Page.of(ApiKey, self._client.request("GET", "/v1/keys", params=_page(page)).json())
 
 
 class Files:

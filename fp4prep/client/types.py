@@ -54,12 +54,28 @@ def _convert(hint: Any, value: Any) -> Any:
 class Project:
     id: str
     name: str = ""
+    key_scope: str = "full"  # the asking key's: "full", or "read" (list and fetch only)
     blocked: bool = False
     balance_usd: float = 0.0
     held_usd: float = 0.0
     available_usd: float = 0.0
     # The server's upload limits: calibration_file_bytes, adapter_archive_bytes.
     limits: dict[str, int] = field(default_factory=dict)
+    raw: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
+
+
+@dataclass
+class ApiKey:
+    """One of the project's API keys; ``key`` (the key itself) only in the answer that created it."""
+
+    id: int
+    name: str = ""
+    scope: str = "full"
+    prefix: str = ""
+    created_at: datetime | None = None
+    last_used_at: datetime | None = None
+    revoked_at: datetime | None = None
+    key: str = ""
     raw: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
 
 

@@ -180,7 +180,7 @@ def test_createproject_prints_the_project_and_a_working_key(transactional_db: An
     assert created["project_id"].startswith("proj_") and created["api_key"].startswith("fp4_")
     me = requests.get(live_server.url + "/v1/whoami", headers={"Authorization": f"Bearer {created['api_key']}"}, timeout=30).json()
     assert me == {
-        "id": created["project_id"], "name": "Acme", "blocked": False, "balance_usd": 25.5, "held_usd": 0.0, "available_usd": 25.5,
+        "id": created["project_id"], "name": "Acme", "key_scope": "full", "blocked": False, "balance_usd": 25.5, "held_usd": 0.0, "available_usd": 25.5,
         "limits": {"calibration_file_bytes": settings.CALIBRATION_MAX_BYTES, "adapter_archive_bytes": settings.ADAPTER_MAX_BYTES},
     }
 

@@ -174,3 +174,28 @@ def test_a_calibration_file_over_the_servers_limit_is_refused_before_it_is_sent(
     one_line_error(cli("training", "fp4", "create", adapter["id"], "-c", str(big), "-y"), 2, refusal)
     one_line_error(cli("files", "upload", str(big)), 2, refusal)
     assert not people.project_a.files.exists() and not Job.objects.exists()
+
+
+def test_a_read_key_made_with_keys_create_lists_and_fetches_and_may_not_spend(
+    cli: Cli, people: Any, adapter: dict[str, Any], calibration_bytes: bytes, tmp_path: Path
+) -> None:
+    made = cli("keys", "create", "--name", "monitoring", "--scope", "read")
+    assert made.returncode == 0 and made.stdout.startswith("fp4_")
+    assert "(monitoring, scope read). It is shown only this once" in made.stderr
+    read_key = made.stdout.strip()
+    listed = cli("keys", "list")
+    assert "monitoring" in listed.stdout and " read " in listed.stdout and " full " in listed.stdout
+
+    assert "Key scope  read\n" in cli("whoami", key=read_key).stdout
+    assert cli("models", "get", adapter["id"], key=read_key).returncode == 0
+    assert cli("training", "fp4", "list", key=read_key).returncode == 0
+    denied = f"API key {read_key[:12]}… has the read scope: it lists and fetches, and may not POST here; use a key of the full scope"
+    good = tmp_path / "calibration.jsonl"
+    good.write_bytes(calibration_bytes)
+    for args in (("files", "upload", str(good)), ("training", "fp4", "create", adapter["id"], "-y"),
+                 ("keys", "create", "--scope", "full")):
+        result = cli(*args, key=read_key)
+        assert result.returncode == 2 and result.stderr.endswith(f"{denied}\n"), (args, result.stderr)
+    assert not people.project_a.files.exists() and not Job.objects.exists()
+    # The keys made before scopes existed stay full; the one made here is the only read key.
+    assert sorted(people.project_a.api_keys.values_list("scope", flat=True)) == ["full", "full", "read"]

@@ -132,9 +132,16 @@ def test_a_team_prepares_watches_downloads_and_cancels_and_an_outsider_sees_noth
     assert "line 2" in alice.locator(".report").inner_text()
     shoot(alice, "file-errors")
     alice.goto(f"{base}/keys/")
+    alice.fill("input[name=name]", "Grafana")
+    alice.select_option("select[name=scope]", "read")
+    alice.get_by_role("button", name="Create key").click()
+    alice.locator("[data-key]").wait_for()
+    assert alice.locator("tr", has_text="Grafana").locator(".badge-read").inner_text() == "Read"
+    assert project.api_keys.get(name="Grafana").scope == "read"
     alice.fill("input[name=name]", "CI pipeline")
     alice.get_by_role("button", name="Create key").click()
     alice.locator("[data-key]").wait_for()
+    assert alice.locator("tr", has_text="CI pipeline").locator(".badge-full").inner_text() == "Full"
     shoot(alice, "keys")
     # Revoking asks first (a data-confirm form: the policy allows no inline handler); declined, nothing changes.
     questions: list[str] = []
