@@ -65,8 +65,6 @@ CONTENT_SECURITY_POLICY = "; ".join([
     "form-action 'self'",
     "frame-ancestors 'none'",
 ])
-# Swagger UI (drf-spectacular's /v1/docs) is a page of inline script that loads its assets from a CDN.
-CSP_EXEMPT = ("/v1/docs",)
 
 
 class ContentSecurityPolicy:
@@ -75,8 +73,7 @@ class ContentSecurityPolicy:
 
     def __call__(self, request: HttpRequest) -> HttpResponse:
         response = self.get_response(request)
-        if not request.path.startswith(CSP_EXEMPT):
-            response.headers.setdefault("Content-Security-Policy", CONTENT_SECURITY_POLICY)
+        response.headers.setdefault("Content-Security-Policy", CONTENT_SECURITY_POLICY)
         return response
 
 

@@ -3,7 +3,7 @@
 from django.contrib import admin
 from django.contrib.auth import views as auth
 from django.urls import include, path
-from drf_spectacular.views import SpectacularAPIView, SpectacularSwaggerView
+from drf_spectacular.views import SpectacularAPIView, SpectacularSwaggerSplitView
 
 from jobs import views as jobs
 from registry import views as registry
@@ -34,7 +34,7 @@ urlpatterns = [
     path("projects/<str:project_id>/", include(pages)),
     path("admin/", admin.site.urls),
     path("v1/schema", SpectacularAPIView.as_view(authentication_classes=[], permission_classes=[]), name="api-schema"),
-    path("v1/docs", SpectacularSwaggerView.as_view(url_name="api-schema", authentication_classes=[], permission_classes=[]),
+    path("v1/docs", SpectacularSwaggerSplitView.as_view(url_name="api-schema", authentication_classes=[], permission_classes=[]),
          name="api-docs"),
     path("v1/", include("registry.urls")),
     path("v1/", include("jobs.urls")),

@@ -191,7 +191,7 @@ def test_a_team_prepares_watches_downloads_and_cancels_and_an_outsider_sees_noth
 
 
 def test_the_footer_links_api_docs_that_render_from_this_server_alone(
-    open_page: Any, live_server: Any, people: Any, shoot: Shooter
+    open_page: Any, csp_violations: list[str], live_server: Any, people: Any, shoot: Shooter
 ) -> None:
     alice = open_page("alice")
     elsewhere: list[str] = []
@@ -205,6 +205,10 @@ def test_the_footer_links_api_docs_that_render_from_this_server_alone(
     shoot(alice, "api-docs")
     schema = alice.request.get(f"{live_server.url}/v1/schema")
     assert schema.ok and b"openapi:" in schema.body()
+    # The docs page runs under the site's policy too (its set-up script a file of its own), none refused.
+    docs = alice.request.get(f"{live_server.url}/v1/docs")
+    assert docs.headers["content-security-policy"].startswith("default-src 'self'; script-src 'self'; style-src 'self'")
+    assert csp_violations == []
 
 
 def test_the_admin_runs_under_the_same_policy(
