@@ -49,6 +49,7 @@ INSTALLED_APPS = [
 MIDDLEWARE = [
     "django.middleware.security.SecurityMiddleware",
     "fp4prep.site.middleware.ContentSecurityPolicy",  # on every page, error pages included
+    "fp4prep.site.addresses.DirectClients",  # warns when trusted proxies are set and a request bypassed them
     "whitenoise.middleware.WhiteNoiseMiddleware",  # the dashboard's CSS and htmx, without a separate web server
     "django.contrib.sessions.middleware.SessionMiddleware",
     "django.middleware.common.CommonMiddleware",

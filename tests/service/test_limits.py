@@ -161,6 +161,9 @@ def test_a_request_that_runs_out_of_memory_answers_413_and_stores_nothing(people
         next(iter(lines))
         raise MemoryError
 
+    folder = settings.ARTIFACT_ROOT / "files"
+    stored = set(folder.rglob("*")) if folder.exists() else set()
+    records = CalibrationFile.objects.count()
     monkeypatch.setattr(calibration, "validate", out_of_memory)
     line = (json.dumps({"messages": [{"role": "user", "content": "hi"}]}) + "\n").encode()
     status, code, message = error_of(people.alice.upload_file(line * 100))
@@ -172,5 +175,20 @@ def test_a_request_that_runs_out_of_memory_answers_413_and_stores_nothing(people
 
     page = client.post(f"/projects/{people.project_a.id}/files/", {"file": SimpleUploadedFile("c.jsonl", line * 100)})
     assert page.status_code == 413 and "nothing was stored" in page.content.decode()
-    folder = settings.ARTIFACT_ROOT / "files"
-    assert CalibrationFile.objects.count() == 0 and not (folder.exists() and any(folder.rglob("*")))
+    assert CalibrationFile.objects.count() == records and (set(folder.rglob("*")) if folder.exists() else set()) == stored
+
+
+def test_with_trusted_proxies_a_request_that_bypassed_them_is_warned_about_once(people: People, caplog: Any) -> None:
+    from fp4prep.site.addresses import DirectClients
+
+    DirectClients.warned = False
+    with override_settings(TRUSTED_PROXIES=1), caplog.at_level("WARNING", logger="fp4prep.site.addresses"):
+        Client(REMOTE_ADDR="10.0.0.2", HTTP_X_FORWARDED_FOR="203.0.113.9").get("/login/")
+        assert caplog.records == []  # through the proxy
+        Client(REMOTE_ADDR="198.51.100.4").get("/login/")
+        Client(REMOTE_ADDR="198.51.100.5").get("/login/")
+    assert [r.getMessage() for r in caplog.records] == [
+        "FP4PREP_TRUSTED_PROXIES is 1, but a request from 198.51.100.4 reached the web port with no X-Forwarded-For: "
+        "clients that reach it directly choose their own address (rates, sign-in lockouts). "
+        "Bind the web processes where only the proxy reaches them."
+    ]
