@@ -68,12 +68,14 @@ def expanded_size(key: str) -> int:
                 j += 2 if key[j] == "\\" else 1
             i, atom = j + 1, 1
         elif c == "(":
-            if key.startswith("(?", i) and not (opens := _GROUP.match(key, i)):
+            special = key.startswith("(?", i)
+            opens = _GROUP.match(key, i) if special else None
+            if special and opens is None:
                 i = key.find(")", i) + 1 or len(key)  # (?i), (?#...), (?P=name): no contents of its own
                 atom = 1
             else:
                 stack.append([0, 0])
-                i = opens.end() if key.startswith("(?", i) and opens else i + 1
+                i = opens.end() if opens else i + 1
                 continue
         elif c == ")" and len(stack) > 1:
             atom = max(stack.pop()[0], 1)
