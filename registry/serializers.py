@@ -8,7 +8,7 @@ from django.urls import reverse
 from drf_spectacular.utils import extend_schema_field
 from rest_framework import serializers
 
-from .models import DeploymentProfile, Model, Revision
+from .models import ApiKey, DeploymentProfile, Model, Revision
 
 
 class RevisionFileSerializer(serializers.Serializer):
@@ -71,7 +71,7 @@ class LimitsSerializer(serializers.Serializer):
 class ApiKeySerializer(serializers.Serializer):
     id = serializers.IntegerField(read_only=True)
     name = serializers.CharField(max_length=100, required=False, allow_blank=True, default="")
-    scope = serializers.ChoiceField(choices=["full", "read"], default="full")
+    scope = serializers.ChoiceField(choices=ApiKey.Scope.choices, default=ApiKey.Scope.FULL)
     prefix = serializers.CharField(read_only=True)
     created_at = serializers.DateTimeField(read_only=True)
     last_used_at = serializers.DateTimeField(read_only=True, allow_null=True)

@@ -12,9 +12,12 @@ from collections.abc import Callable
 from typing import Any
 
 from django.conf import settings
+from django.db import transaction
 from django.http import HttpRequest, HttpResponse, JsonResponse
 
 from fp4prep.text import format_bytes
+
+from .rest import envelope
 
 
 def takes_uploads(view: Any) -> Any:
@@ -94,10 +97,7 @@ class OutOfMemory:
     def process_exception(self, request: HttpRequest, exception: Exception) -> HttpResponse | None:
         if not isinstance(exception, MemoryError):
             return None
-        from django.db import transaction
-
         if transaction.get_connection().in_atomic_block:
             transaction.set_rollback(True)
-        if request.path.startswith("/v1/"):
-            return JsonResponse({"error": {"code": "payload_too_large", "message": self.MESSAGE}}, status=413)
-        return HttpResponse(self.MESSAGE, status=413, content_type="text/plain; charset=utf-8")
+        found = envelope(request, 413, "payload_too_large", self.MESSAGE)
+        return found or HttpResponse(self.MESSAGE, status=413, content_type="text/plain; charset=utf-8")

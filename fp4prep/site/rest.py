@@ -158,7 +158,8 @@ def uploaded_file(request: Any, field: str, limit: int, what: str, limiter: Size
 # Under /v1/ they answer in the envelope too; elsewhere Django's own pages (templates/404.html, 500.html).
 
 
-def _envelope(request: HttpRequest, status: int, code: str, message: str) -> HttpResponse | None:
+def envelope(request: HttpRequest, status: int, code: str, message: str) -> HttpResponse | None:
+    """The API's error envelope for a request under ``/v1/``; None elsewhere."""
     if request.path.startswith("/v1/"):
         return JsonResponse({"error": {"code": code, "message": message}}, status=status)
     return None
@@ -166,23 +167,23 @@ def _envelope(request: HttpRequest, status: int, code: str, message: str) -> Htt
 
 def bad_request(request: HttpRequest, exception: Exception | None = None) -> HttpResponse:
     if isinstance(exception, RequestDataTooBig):
-        found = _envelope(request, 413, "payload_too_large", "Request body is larger than this endpoint accepts")
+        found = envelope(request, 413, "payload_too_large", "Request body is larger than this endpoint accepts")
     elif isinstance(exception, (TooManyFieldsSent, TooManyFilesSent)):
-        found = _envelope(request, 400, "invalid_request", "Request has more form fields or files than any endpoint takes")
+        found = envelope(request, 400, "invalid_request", "Request has more form fields or files than any endpoint takes")
     else:
-        found = _envelope(request, 400, "invalid_request", "Bad request")
+        found = envelope(request, 400, "invalid_request", "Bad request")
     return found or defaults.bad_request(request, exception)
 
 
 def permission_denied(request: HttpRequest, exception: Exception | None = None) -> HttpResponse:
-    return _envelope(request, 403, "permission_denied", "Permission denied") or defaults.permission_denied(request, exception)
+    return envelope(request, 403, "permission_denied", "Permission denied") or defaults.permission_denied(request, exception)
 
 
 def page_not_found(request: HttpRequest, exception: Exception | None = None) -> HttpResponse:
-    found = _envelope(request, 404, "not_found", "No API endpoint at this path; the endpoints are listed at /v1/docs")
+    found = envelope(request, 404, "not_found", "No API endpoint at this path; the endpoints are listed at /v1/docs")
     return found or defaults.page_not_found(request, exception)
 
 
 def server_error(request: HttpRequest) -> HttpResponse:
-    found = _envelope(request, 500, "internal_error", "Internal error; it is logged for support. Try again in a moment")
+    found = envelope(request, 500, "internal_error", "Internal error; it is logged for support. Try again in a moment")
     return found or defaults.server_error(request)

@@ -217,7 +217,6 @@ REST_FRAMEWORK = {
     "PAGE_SIZE": 20,
     "EXCEPTION_HANDLER": "fp4prep.site.rest.exception_handler",
     "DEFAULT_THROTTLE_CLASSES": ["registry.auth.PerKeyThrottle", "registry.auth.PerProjectThrottle", "registry.auth.AddressThrottle"],
-    "NUM_PROXIES": TRUSTED_PROXIES,
     "DEFAULT_SCHEMA_CLASS": "drf_spectacular.openapi.AutoSchema",
     "UNAUTHENTICATED_USER": None,
 }

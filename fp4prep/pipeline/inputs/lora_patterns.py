@@ -11,6 +11,7 @@ per-match timeout for whatever is left. What matching would cost is counted befo
 from __future__ import annotations
 
 import contextlib
+import json
 import re
 import time
 from collections.abc import Iterator
@@ -106,6 +107,15 @@ class _Budget:
     deadline: float
     compiled: dict[tuple[str, str], Patterns] = field(default_factory=dict)
 
+    def left(self) -> float:
+        return self.deadline - time.monotonic()
+
+    def spent(self) -> UserError:
+        return UserError(
+            f"{CONFIG_NAME}: matching its rank_pattern and alpha_pattern keys against the adapter's modules "
+            f"takes more than {self.seconds:g} s; name the modules plainly, e.g. 'layers.3.self_attn.q_proj'"
+        )
+
 
 _budget: ContextVar[_Budget | None] = ContextVar("pattern_budget", default=None)
 
@@ -172,8 +182,6 @@ class Patterns:
         budget = _budget.get()
         if budget is None:
             return cls(config, field)
-        import json
-
         key = (field, json.dumps(config.get(field) or {}, sort_keys=False))
         if key not in budget.compiled:
             budget.compiled[key] = cls(config, field)
@@ -240,22 +248,16 @@ class Patterns:
                 break
             timeout = MATCH_TIMEOUT_SECONDS
             if budget is not None:
-                timeout = min(timeout, budget.deadline - time.monotonic())
+                timeout = min(timeout, budget.left())
                 if timeout <= 0:
-                    raise UserError(
-                        f"{CONFIG_NAME}: matching its rank_pattern and alpha_pattern keys against the adapter's modules "
-                        f"takes more than {budget.seconds:g} s; name the modules plainly, e.g. 'layers.3.self_attn.q_proj'"
-                    )
+                    raise budget.spent()
             try:
                 if pattern.match(module, timeout=timeout):
                     best = order
                     break
             except TimeoutError:
-                if budget is not None and time.monotonic() >= budget.deadline:
-                    raise UserError(
-                        f"{CONFIG_NAME}: matching its rank_pattern and alpha_pattern keys against the adapter's modules "
-                        f"takes more than {budget.seconds:g} s; name the modules plainly, e.g. 'layers.3.self_attn.q_proj'"
-                    ) from None
+                if budget is not None and budget.left() <= 0:
+                    raise budget.spent() from None
                 raise UserError(
                     f"{CONFIG_NAME}: {self.field} key {excerpt(key)} takes too long to match module names "
                     "(a pattern that backtracks); name the modules plainly, e.g. 'layers.3.self_attn.q_proj'"
