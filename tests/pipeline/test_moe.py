@@ -46,11 +46,33 @@ def test_moe_models_export_every_expert_with_its_scales(
                 for p in ("gate_proj", "up_proj")
             )
             assert gate == up  # vLLM uses the gate's global scale for both
+        if quantization == "fp8":
+            # vLLM's ModelOpt FP8 MoE method reads one weight scale per expert projection (gate
+            # and up requantized to their max) and a static input scale (the max over experts).
+            scales = {
+                (p, leaf): t[f"model.layers.1.mlp.experts.{e}.{p}.{leaf}"]
+                for p in ("gate_proj", "up_proj", "down_proj")
+                for leaf in ("weight_scale", "input_scale")
+            }
+            assert all(s.numel() == 1 and float(s) > 0 for s in scales.values())
+            assert float(scales["gate_proj", "weight_scale"]) == float(scales["up_proj", "weight_scale"])
     assert t["model.layers.1.mlp.gate.weight"].dtype == torch.bfloat16
     assert not any(k.startswith("model.layers.1.mlp.gate.") and "scale" in k for k in t)
     config = json.loads((out / "config.json").read_text())["quantization_config"]
-    excluded = config.get("ignore") or config.get("exclude_modules")
-    assert "model.layers.1.mlp.gate" in excluded
+    if quantization == "fp8":
+        # Dense layers per channel with inputs per token, routed experts per tensor: what vLLM's
+        # mixed-precision ModelOpt config reads layer by layer. The router is not listed.
+        assert config["quant_algo"] == "MIXED_PRECISION"
+        layers = config["quantized_layers"]
+        assert layers["model.layers.1.mlp.experts"] == {"quant_algo": "FP8"}
+        assert layers["model.layers.1.mlp.shared_experts.gate_proj"] == {"quant_algo": "FP8_PER_CHANNEL_PER_TOKEN"}
+        assert layers["model.layers.1.self_attn.o_proj"] == {"quant_algo": "FP8_PER_CHANNEL_PER_TOKEN"}
+        assert not any(name.startswith("model.layers.1.mlp.gate") for name in layers)
+        assert t["model.layers.1.mlp.shared_experts.gate_proj.weight_scale"].numel() > 1
+        assert "model.layers.1.mlp.shared_experts.gate_proj.input_scale" not in t
+    else:
+        excluded = config.get("ignore") or config.get("exclude_modules")
+        assert "model.layers.1.mlp.gate" in excluded
     assert result.reload_max_logit_diff == 0.0
 
 

@@ -52,6 +52,10 @@ class Format:
     block_size: int | None  # values sharing one block scale (None: a scale per output channel)
     block_scale: str | None  # the block scale's type: "e4m3" (times an FP32 global scale) or "e8m0"
     activations_quantized: bool  # engines quantize the inputs of quantized layers too
+    # Routed experts get one weight scale per tensor and one static input scale, calibrated, instead
+    # of the format's own: the only FP8 vLLM's ModelOpt MoE method loads (``ModelOptFp8MoEMethod``
+    # reduces each expert projection's ``weight_scale`` to a scalar and reads ``input_scale``).
+    per_tensor_experts: bool = False
 
     @property
     def declared(self) -> str:
@@ -116,8 +120,13 @@ FORMATS: dict[str, Format] = {
         block_size=None,
         block_scale=None,
         activations_quantized=True,
+        per_tensor_experts=True,
     ),
 }
+
+# Routed experts' quantizers, by name: per-expert modules (``mlp.experts.3.gate_proj``) and the
+# fused expert tensors' (``mlp.experts.gate_up_proj_weight_quantizers.3``), never shared experts.
+ROUTED_EXPERTS = "*.experts.*"
 
 
 def get_format(name: str) -> Format:
@@ -144,10 +153,18 @@ def declared(config: Mapping[str, Any]) -> Declared:
     method = str(qc.get("quant_method", ""))
     if method == "modelopt":
         algo = str(qc.get("quant_algo", "")).upper()
-        for fmt in FORMATS.values():
-            if fmt.modelopt_algo == algo:
-                return Declared(fmt, MODELOPT, dynamic_inputs=fmt.name != "nvfp4")
-        raise PipelineError(f"the reader does not know ModelOpt's {algo}")
+        if algo != "MIXED_PRECISION":
+            fmt = _modelopt_format(algo)
+            return Declared(fmt, MODELOPT, dynamic_inputs=fmt.name != "nvfp4")
+        # Each layer declares its own: E2M1 layers (one format) and FP8 ones, per channel with
+        # inputs per token as they come, or per tensor with a static input scale (routed experts).
+        layers = qc.get("quantized_layers") or {}
+        algos = {str(layer.get("quant_algo", "")).upper() for layer in layers.values() if isinstance(layer, dict)}
+        e2m1 = {fmt.name: fmt for fmt in map(_modelopt_format, algos) if fmt.e2m1}
+        if not algos or len(e2m1) > 1:
+            raise PipelineError(f"the reader does not know a mixed-precision checkpoint of {sorted(algos) or 'no layers'}")
+        fmt = next(iter(e2m1.values()), FORMATS["fp8"])
+        return Declared(fmt, MODELOPT, dynamic_inputs=FORMATS["fp8"].modelopt_algo in algos)
     if method == "compressed-tensors":
         name = qc.get("format")
         group: dict[str, Any] = next(iter((qc.get("config_groups") or {}).values()), {})
@@ -157,6 +174,15 @@ def declared(config: Mapping[str, Any]) -> Declared:
                 return Declared(fmt, COMPRESSED_TENSORS, dynamic_inputs=dynamic)
         raise PipelineError(f"the reader does not know compressed-tensors' {name}")
     raise PipelineError(f"the reader does not know quant_method {method!r}")
+
+
+def _modelopt_format(algo: str) -> Format:
+    """The format of a ModelOpt ``quant_algo``; its per-tensor ``FP8`` (routed experts in an FP8
+    checkpoint) is fp4prep's FP8 with one scale per tensor."""
+    for fmt in FORMATS.values():
+        if algo == fmt.modelopt_algo or (algo == "FP8" and fmt.bits == 8):
+            return fmt
+    raise PipelineError(f"the reader does not know ModelOpt's {algo}")
 
 
 def of_quantizer(num_bits: Any, block_sizes: Mapping[Any, Any] | None) -> Format | None:

@@ -85,6 +85,14 @@ def fp8_per_token_activations(x: torch.Tensor) -> torch.Tensor:
     return (q.float() * scale).to(x.dtype)
 
 
+def fp8_static_activations(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """A static FP8 input (one stored ``input_scale``) as the engine quantizes and dequantizes it:
+    values times the scale's reciprocal, E4M3 (``QuantFP8`` static, ``scaled_fp8_quant``)."""
+    scale = scale.float().reshape(())
+    q = (x.float() * scale.reciprocal()).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
+    return (q.float() * scale).to(x.dtype)
+
+
 MXFP4_BLOCK = 32
 ONE_SIXTH = torch.tensor(1.0 / E2M1_MAX, dtype=torch.float32)  # FlashInfer: rcp.approx of 6
 

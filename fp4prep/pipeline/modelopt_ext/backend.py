@@ -21,11 +21,12 @@ import torch
 
 from ..formats.engine import (
     fp8_per_token_activations,
+    fp8_static_activations,
     mxfp4_activations,
     nvfp4_activations,
     nvfp4_global_scale_of,
 )
-from ..formats.numerics import fp8_fake_quant, mxfp4_fake_quant, nvfp4_fake_quant
+from ..formats.numerics import E4M3_MAX, fp8_fake_quant, mxfp4_fake_quant, nvfp4_fake_quant
 
 if TYPE_CHECKING:
     from modelopt.torch.quantization.nn import TensorQuantizer
@@ -62,8 +63,8 @@ class InputBackend:
         _check(quantizer)
         if tuple(quantizer.num_bits) == (4, 3):
             amax = getattr(quantizer, "_amax", None)
-            if amax is not None:
-                return fp8_fake_quant(inputs, amax.to(inputs.device))
+            if amax is not None:  # static: the scale ModelOpt's export stores, amax / 448
+                return fp8_static_activations(inputs, amax.to(inputs.device).float() / E4M3_MAX)
             # Dynamic (ModelOpt turns per-token block_sizes {-1: None} into an axis): per token.
             return fp8_per_token_activations(inputs)
         block_size, scale_bits = _blocks(quantizer, inputs)

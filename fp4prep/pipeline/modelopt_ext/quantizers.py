@@ -16,7 +16,7 @@ import torch
 
 from ..algorithms import mixed
 from ..device import Compute
-from ..formats import KEPT_BF16
+from ..formats import KEPT_BF16, ROUTED_EXPERTS
 from ..model.lazy import LazyWeights
 from ..recipes import Recipe
 from . import backend
@@ -50,6 +50,8 @@ def quant_config(recipe: Recipe, compute: Compute, checkpoint_dir: Path | None =
     config = copy.deepcopy(getattr(mtq, recipe.format.modelopt_config))
     entries = config["quant_cfg"]
     entries.extend(mixed.fp8_entries(recipe.fp8_modules))  # after the preset's: they override it
+    if recipe.format.per_tensor_experts:
+        entries.extend(_per_tensor_experts(entries))
     for entry in entries:
         cfg = entry.get("cfg")
         if not isinstance(cfg, dict):
@@ -78,6 +80,18 @@ def quant_config(recipe: Recipe, compute: Compute, checkpoint_dir: Path | None =
         }
         config["algorithm"] = algorithm
     return config
+
+
+def _per_tensor_experts(entries: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Entries that give routed experts the format's numbers per tensor: one weight scale, one
+    static input scale from calibration's maximum."""
+    preset = {e.get("quantizer_name"): e["cfg"] for e in entries if isinstance(e.get("cfg"), dict)}
+    weight = {**copy.deepcopy(preset["*weight_quantizer"]), "axis": None}
+    inputs = {k: copy.deepcopy(v) for k, v in preset["*input_quantizer"].items() if k not in ("type", "block_sizes", "axis")}
+    return [
+        {"quantizer_name": f"{ROUTED_EXPERTS}weight_quantizer", "cfg": weight},
+        {"quantizer_name": f"{ROUTED_EXPERTS}input_quantizer", "cfg": inputs},
+    ]
 
 
 def declared_inputs_only(model: torch.nn.Module, recipe: Recipe) -> None:

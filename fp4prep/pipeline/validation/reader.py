@@ -20,16 +20,15 @@ from ..device import Compute
 from ..formats import declared
 from ..formats.engine import (
     fp8_per_token_activations,
+    fp8_static_activations,
     mxfp4_activations,
     nvfp4_activations,
     nvfp4_global_scale,
 )
 from ..formats.numerics import (
-    E4M3_MAX,
     dequantize_fp8,
     dequantize_mxfp4,
     dequantize_nvfp4,
-    fp8_fake_quant,
 )
 from ..model import streaming
 from ..model.lazy import LazyWeights
@@ -96,7 +95,12 @@ class DequantizedWeights(LazyWeights):
         experts = {}
         for model, fused in self.names.fused.items():
             per_expert = fused.per_expert()
-            if per_expert is not None:
+            if per_expert is None:
+                continue
+            shared = self.expert_fp8_inputs(per_expert)
+            if shared is not None:
+                experts[model] = [shared] * len(per_expert)
+            else:
                 experts[model] = [activations.get(parts[0].removesuffix(".weight"), _identity) for parts in per_expert]
         return linear, experts
 
@@ -104,8 +108,10 @@ class DequantizedWeights(LazyWeights):
         module = name.rpartition(".")[0]
         if module not in self.quantized or self.gpt_oss is not None:
             return self.source.shape(name)
-        shape = self.source.shape(f"{module}.{self.declared.layout.packed_name}")
-        return (*shape[:-1], shape[-1] * 2) if self.declared.format.e2m1 else shape
+        packed = f"{module}.{self.declared.layout.packed_name}"
+        shape = self.source.shape(packed)
+        e2m1 = self.declared.format.e2m1 and self.source.stored_dtype(packed) == torch.uint8
+        return (*shape[:-1], shape[-1] * 2) if e2m1 else shape
 
     def stored(self, name: str) -> torch.Tensor:
         if self.gpt_oss is not None:
@@ -116,6 +122,8 @@ class DequantizedWeights(LazyWeights):
         layout, block_scale, source = self.declared.layout, self.declared.format.block_scale, self.source
         packed = source.raw(f"{module}.{layout.packed_name}").to(self.device)
         scale = source.raw(f"{module}.weight_scale").to(self.device)
+        if packed.dtype == torch.float8_e4m3fn:  # FP8, also in a mixed-precision checkpoint
+            return dequantize_fp8(packed, scale).to(self.dtype)
         if block_scale == "e4m3":
             g_name = "weight_global_scale" if layout.reciprocal_globals else "weight_scale_2"
             g = _scalar(source.raw(f"{module}.{g_name}"))
@@ -128,7 +136,8 @@ class DequantizedWeights(LazyWeights):
 
     def _activation_quant(self, module: str, names: set[str]) -> ActivationQuant | None:
         fmt, layout, source = self.declared.format, self.declared.layout, self.source
-        if fmt.block_scale == "e4m3":
+        fp8 = source.stored_dtype(f"{module}.{layout.packed_name}") == torch.float8_e4m3fn
+        if fmt.block_scale == "e4m3" and not fp8:
             i_name = "input_global_scale" if layout.reciprocal_globals else "input_scale"
             if f"{module}.{i_name}" not in names:
                 return None
@@ -136,15 +145,27 @@ class DequantizedWeights(LazyWeights):
             # compressed-tensors stores the engine's global scale itself, ModelOpt its reciprocal.
             scale = stored.max() if layout.reciprocal_globals else nvfp4_global_scale(stored)
             return partial(nvfp4_activations, global_scale=scale.to(self.device), block_size=fmt.block_size)
-        if fmt.block_scale == "e8m0":
+        if fmt.block_scale == "e8m0" and not fp8:
             # Declared or not, MXFP4 inputs are quantized only where vLLM runs FlashInfer's W4A4.
             return mxfp4_activations if self.numerics == MXFP4_W4A4.key or self.declared.dynamic_inputs else None
+        # A stored input scale is static whatever the checkpoint declares (routed experts' FP8).
+        if f"{module}.input_scale" in names:
+            return partial(fp8_static_activations, scale=source.raw(f"{module}.input_scale").to(self.device))
         if self.declared.dynamic_inputs:
             return fp8_per_token_activations
-        if f"{module}.input_scale" in names:
-            amax = source.raw(f"{module}.input_scale").float() * E4M3_MAX
-            return partial(fp8_fake_quant, amax=amax)
         return None
+
+    def expert_fp8_inputs(self, per_expert: list[list[str]]) -> ActivationQuant | None:
+        """The static FP8 input quantization of one projection of a layer's routed experts as vLLM
+        runs it: one scale for all of them, the largest stored (``ModelOptFp8MoEMethod``)."""
+        names = [f"{parts[0].removesuffix('.weight')}.input_scale" for parts in per_expert]
+        stored = set(self.source.names())
+        packed = [f"{parts[0].removesuffix('.weight')}.{self.declared.layout.packed_name}" for parts in per_expert]
+        fp8 = all(n in stored and self.source.stored_dtype(n) == torch.float8_e4m3fn for n in packed)
+        if not fp8 or not all(n in stored for n in names):
+            return None
+        scale = torch.stack([self.source.raw(n).float().reshape(()) for n in names]).max()
+        return partial(fp8_static_activations, scale=scale.to(self.device))
 
 
 def _identity(x: torch.Tensor) -> torch.Tensor:

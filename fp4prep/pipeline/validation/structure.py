@@ -11,7 +11,7 @@ from typing import Any
 import torch
 
 from ..errors import PipelineError
-from ..formats import Format, declared
+from ..formats import FORMATS, Format, declared
 from ..model.safetensors import TensorSource, directory_bytes, read_config
 
 _FUSED_GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
@@ -35,8 +35,9 @@ def structure(directory: Path, fmt: Format, bf16_bytes: int) -> list[str]:
     checks.append(_check_exclusions(source, names, set(quantized), _excluded(config)))
     dense = {n: source.shape(n) for n in names if n.rpartition(".")[0] not in quantized}
     for module in quantized:
-        shape = source.shape(f"{module}.{found.layout.packed_name}")
-        dense[f"{module}.weight"] = (*shape[:-1], shape[-1] * 2) if fmt.e2m1 else shape
+        packed = f"{module}.{found.layout.packed_name}"
+        shape = source.shape(packed)
+        dense[f"{module}.weight"] = (*shape[:-1], shape[-1] * 2) if source.stored_dtype(packed) == torch.uint8 else shape
     written, expected = directory_bytes(directory), fmt.checkpoint_bytes(dense)
     if not 0.9 * expected <= written <= 1.1 * expected + (4 << 20):
         raise PipelineError(f"checkpoint is {written:,} bytes, expected about {expected:,}")
@@ -50,6 +51,8 @@ def _check_module(source: TensorSource, names: set[str], module: str, fmt: Forma
     packed_key = f"{module}.{packed_name}"
     packed_dtype, packed_shape = source.stored_dtype(packed_key), source.shape(packed_key)
     scale = source.raw(f"{module}.weight_scale")
+    if packed_dtype == torch.float8_e4m3fn and fmt.e2m1:  # an FP8 layer of a mixed-precision checkpoint
+        fmt = FORMATS["fp8"]
     if fmt.e2m1:
         if packed_dtype != torch.uint8:
             raise PipelineError(f"{module}: FP4 weights stored as {packed_dtype}, not packed uint8")
@@ -87,7 +90,14 @@ def _check_exclusions(source: TensorSource, names: set[str], quantized: set[str]
 
 
 def _excluded(config: dict[str, Any]) -> list[str]:
+    """Patterns of the modules the config declares unquantized; a mixed-precision config lists the
+    quantized ones instead (``quantized_layers``: a module, or a layer's routed experts whole), so
+    there every module outside them is."""
     qc = config.get("quantization_config") or {}
+    layers = qc.get("quantized_layers")
+    if isinstance(layers, dict) and layers:
+        covered = "|".join(re.escape(name) for name in layers)
+        return [rf"(?!(?:{covered})(?:\..*)?$).*"]
     patterns = []
     for p in qc.get("ignore") or qc.get("exclude_modules") or []:
         patterns.append(p[3:] if p.startswith("re:") else re.escape(p).replace(r"\*", ".*"))
