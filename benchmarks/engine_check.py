@@ -155,7 +155,50 @@ def emulated(directory: Path, compute: object) -> object:
     return model
 
 
-def loaded_by_vllm(directory: Path) -> object:
+def _moe_experts() -> list[type]:
+    """vLLM's routed-experts classes this check lets run their post-processing on a CPU: Triton's
+    (FP8 with static per-tensor scales, as on Hopper), the emulation ones for NVFP4 and MXFP4 (what
+    vLLM runs where no FP4 MoE kernel does) and Marlin's (MXFP4 below Blackwell). All of them
+    compute with Triton or CUDA kernels."""
+    from vllm.model_executor.layers.fused_moe.experts.marlin_moe import MarlinExperts
+    from vllm.model_executor.layers.fused_moe.experts.nvfp4_emulation_moe import (
+        Nvfp4QuantizationEmulationTritonExperts,
+    )
+    from vllm.model_executor.layers.fused_moe.experts.ocp_mx_emulation_moe import (
+        OCP_MXQuantizationEmulationTritonExperts,
+    )
+    from vllm.model_executor.layers.fused_moe.experts.triton_moe import TritonExperts
+
+    return [TritonExperts, Nvfp4QuantizationEmulationTritonExperts, OCP_MXQuantizationEmulationTritonExperts, MarlinExperts]
+
+
+def _dequant_mxfp4(x: object, scale: object, dtype: object) -> object:
+    """``dequant_mxfp4`` without AMD's quark (whose kernel runs on CUDA only): vLLM's own E2M1
+    nibble decoding (``break_fp4_bytes``, low nibble first) times each block's E8M0 power of two,
+    exact in BF16 as Marlin's weights-only dequantization is."""
+    import torch
+    from vllm.model_executor.layers.quantization.utils.nvfp4_emulation_utils import break_fp4_bytes
+
+    packed = x.reshape(-1, x.shape[-1])  # type: ignore[attr-defined]
+    values = break_fp4_bytes(packed, torch.float32).reshape(*x.shape[:-1], -1)  # type: ignore[attr-defined]
+    powers = torch.exp2(scale.to(torch.float32) - 127.0)  # type: ignore[attr-defined]
+    blocks = values.reshape(*values.shape[:-1], powers.shape[-1], -1) * powers.unsqueeze(-1)
+    return blocks.reshape(values.shape).to(dtype)
+
+
+def _scaled_fp8_quant(x: object, scale: object = None, *args: object, **kwargs: object) -> object:
+    """``vllm._custom_ops.scaled_fp8_quant`` per tensor, computed by vLLM's ``QuantFP8.forward_native``
+    (its CUDA op has no CPU build; the FP8 MoE post-processing calls it to requantize gate and up)."""
+    from vllm.config import VllmConfig, set_current_vllm_config
+    from vllm.model_executor.layers.quantization.input_quant_fp8 import QuantFP8
+    from vllm.model_executor.layers.quantization.utils.quant_utils import GroupShape
+
+    with set_current_vllm_config(VllmConfig()):
+        quant = QuantFP8(static=scale is not None, group_shape=GroupShape.PER_TENSOR)
+    return quant.forward_native(x, scale)
+
+
+def loaded_by_vllm(directory: Path, moe_backend: str = "auto") -> object:
     """The checkpoint as vLLM's own loader makes it, on the CPU: its config discovery and quantization
     config, the real model class, ``load_weights`` and every layer's ``process_weights_after_loading``.
     vLLM lists no NVFP4 kernel for the CPU platform; its emulation kernel (what it falls back to
@@ -163,15 +206,41 @@ def loaded_by_vllm(directory: Path) -> object:
     call that empties the GPU allocator's cache is skipped: there is none."""
     import torch
     import vllm.model_executor.kernels.linear as kernels
-    from vllm.config import DeviceConfig, LoadConfig, ModelConfig, VllmConfig, set_current_vllm_config
+    import vllm.model_executor.kernels.linear.mxfp4.emulation as mxfp4_emulation
+    import vllm.model_executor.layers.quantization.compressed_tensors.compressed_tensors_moe.compressed_tensors_moe_w4a4_mxfp4 as mxfp4_moe
+    from vllm import _custom_ops as ops
+    from vllm.config import (
+        DeviceConfig,
+        KernelConfig,
+        LoadConfig,
+        ModelConfig,
+        VllmConfig,
+        set_current_vllm_config,
+    )
     from vllm.distributed import init_distributed_environment, initialize_model_parallel
     from vllm.model_executor.model_loader import get_model_loader
     from vllm.platforms import current_platform
 
     kernels._POSSIBLE_NVFP4_KERNELS[current_platform._enum] = [kernels.EmulationNvFp4LinearKernel]
+    kernels._POSSIBLE_MXFP4_KERNELS[current_platform._enum] = [mxfp4_emulation.EmulationMxfp4LinearKernel]
     torch.accelerator.empty_cache = lambda: None  # the loader frees its allocator's cache; a CPU has none
+    ops.scaled_fp8_quant = _scaled_fp8_quant  # its CUDA op, in vLLM's own native arithmetic
+    mxfp4_emulation.has_quark, mxfp4_emulation.dequant_mxfp4 = (lambda: True), _dequant_mxfp4
+    # vLLM reads MXFP4 linear layers as W4A4; below Blackwell Marlin runs them weights-only, the
+    # numerics fp4prep declares and measures: the emulation kernel with its input QDQ left out.
+    functions = mxfp4_emulation._ACTIVATION_QUANT_DEQUANT_FUNCS
+    functions.update({key: (lambda x: x) for key in functions})
+    # MXFP4 routed experts go to Marlin below Blackwell; its repacking is a CUDA op: the experts are
+    # computed from the tensors as loaded instead (``expert_arithmetic``), weights only as Marlin's.
+    mxfp4_moe.prepare_moe_fp4_layer_for_marlin = lambda layer: None
+    # The routed experts' backend a GPU would take (below), its post-processing run here: its
+    # kernels are Triton's, for CUDA, and the experts are computed from the tensors it leaves.
+    for experts in _moe_experts():
+        experts._supports_current_device = staticmethod(lambda: True)
+    current_platform.supports_fp8 = lambda: True  # as a GPU that runs FP8 MoE (Hopper, Blackwell)
     model_config = ModelConfig(model=str(directory), dtype="bfloat16", enforce_eager=True)
-    config = VllmConfig(model_config=model_config, load_config=LoadConfig(), device_config=DeviceConfig(device="cpu"))
+    config = VllmConfig(model_config=model_config, load_config=LoadConfig(), device_config=DeviceConfig(device="cpu"),
+                        kernel_config=KernelConfig(moe_backend=moe_backend))
     with set_current_vllm_config(config):
         init_distributed_environment(
             world_size=1, rank=0, local_rank=0, backend="gloo", distributed_init_method=f"file://{directory}/.vllm-init"
@@ -181,7 +250,7 @@ def loaded_by_vllm(directory: Path) -> object:
     quantized: dict[str, list[str]] = {}
     for name, module in model.named_modules():
         method = getattr(module, "quant_method", None)
-        kernel = getattr(method, "kernel", None)
+        kernel = getattr(method, "kernel", None) or getattr(getattr(module, "scheme", None), "kernel", None)
         if method is not None and not type(method).__name__.startswith("Unquantized"):
             label = f"{type(method).__name__} ({type(kernel).__name__ if kernel is not None else 'its own apply'})"
             quantized.setdefault(label, []).append(name)
@@ -190,11 +259,18 @@ def loaded_by_vllm(directory: Path) -> object:
     first = next(names[0] for label, names in quantized.items() if "LinearMethod" in label)
     placed = {n: (tuple(p.shape), str(p.dtype).removeprefix("torch.")) for n, p in model.named_parameters() if n.startswith(first + ".")}
     print(f"placed in {first}: " + ", ".join(f"{n.rpartition('.')[2]} {shape} {dtype}" for n, (shape, dtype) in placed.items()))
+    experts = next((n for n, m in model.named_modules() if n.endswith("routed_experts")), None)
+    if experts is not None:
+        method = dict(model.named_modules())[experts].quant_method
+        backend = next((str(v).rpartition(".")[2] for k, v in vars(method).items() if k.endswith("backend")), "?")
+        placed = {n: (tuple(p.shape), str(p.dtype).removeprefix("torch.")) for n, p in model.named_parameters() if n.startswith(experts + ".")}
+        print(f"placed in {experts} ({type(method).__name__}, backend {backend}): "
+              + ", ".join(f"{n.rpartition('.')[2]} {shape} {dtype}" for n, (shape, dtype) in placed.items()))
     model.vllm_config = config  # type: ignore[attr-defined]
     return model
 
 
-def vllm_computed(directory: Path, compute: object) -> object:
+def vllm_computed(directory: Path, compute: object, moe_backend: str = "auto") -> object:
     """The checkpoint with every quantized linear layer computed by the layer vLLM's loader made
     (``quant_method.apply``: its kernel on the tensors as its post-processing left them); q/k/v and
     gate/up are one fused layer there, computed once per input and split."""
@@ -203,7 +279,7 @@ def vllm_computed(directory: Path, compute: object) -> object:
 
     from fp4prep.pipeline.validation import reader
 
-    theirs = loaded_by_vllm(directory)
+    theirs = loaded_by_vllm(directory, moe_backend)
     modules = dict(theirs.named_modules())  # type: ignore[attr-defined]
     ours = reader.load(directory, compute, quantize_activations=False)  # type: ignore[arg-type]
     packed = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
@@ -225,7 +301,12 @@ def vllm_computed(directory: Path, compute: object) -> object:
             out = out[:, start : start + sizes[part]]
         return out.reshape(*x.shape[:-1], -1)
 
+    routed = {_layer_of(n): m for n, m in modules.items() if n.endswith("routed_experts")}
     for name, module in ours.named_modules():
+        gate_up = getattr(module, "gate_up_proj", None)
+        if isinstance(gate_up, torch.Tensor) and gate_up.dim() == 3 and _layer_of(name) in routed:
+            module.forward = routed_experts(routed[_layer_of(name)], module.act_fn)  # type: ignore[method-assign]
+            continue
         if not isinstance(module, torch.nn.Linear):
             continue
         parent, _, leaf = name.rpartition(".")
@@ -235,6 +316,85 @@ def vllm_computed(directory: Path, compute: object) -> object:
             continue
         module.forward = lambda x, t=target, p=part: run(t, p, x)  # type: ignore[method-assign]
     return ours
+
+
+def _layer_of(name: str) -> int:
+    import re
+
+    found = re.search(r"layers\.(\d+)\.", name)
+    return int(found.group(1)) if found else -1
+
+
+def expert_arithmetic(layer: object) -> tuple[object, object, object, object, str]:
+    """What a routed-experts layer vLLM loaded computes, from the tensors its post-processing left
+    (its kernels are Triton's, for CUDA): each expert's gate/up and down weights dequantized, and the
+    quantization of their inputs, with vLLM's own functions. Returns (w13, w2, inputs13, inputs2, how)."""
+    import torch
+    from vllm.config import VllmConfig, set_current_vllm_config
+    from vllm.model_executor.layers.quantization.input_quant_fp8 import QuantFP8
+    from vllm.model_executor.layers.quantization.utils.nvfp4_emulation_utils import (
+        dequantize_to_dtype,
+        ref_nvfp4_quant_dequant,
+    )
+    from vllm.model_executor.layers.quantization.utils.quant_utils import GroupShape
+
+    method = type(layer.quant_method).__name__  # type: ignore[attr-defined]
+    t = dict(layer.named_parameters())  # type: ignore[attr-defined]
+    if "Fp8" in method:
+        with set_current_vllm_config(VllmConfig()):
+            quant = QuantFP8(static=True, group_shape=GroupShape.PER_TENSOR)
+
+        def static(scale: torch.Tensor) -> object:
+            def run(x: torch.Tensor) -> torch.Tensor:
+                q, s = quant.forward_native(x, scale)
+                return (q.float() * s).to(x.dtype)
+            return run
+
+        w13 = t["w13_weight"].float() * t["w13_weight_scale"].reshape(-1, 1, 1)
+        w2 = t["w2_weight"].float() * t["w2_weight_scale"].reshape(-1, 1, 1)
+        return w13, w2, static(t["w13_input_scale"]), static(t["w2_input_scale"]), \
+            "FP8 weights times each expert's scale, inputs by QuantFP8 static per tensor (the layer's one input scale)"
+    if "NvFp4" in method:
+        w13 = dequantize_to_dtype(t["w13_weight"], t["w13_weight_scale"], t["w13_weight_scale_2"], torch.float32, 16, swizzle=False)
+        w2 = dequantize_to_dtype(t["w2_weight"], t["w2_weight_scale"], t["w2_weight_scale_2"], torch.float32, 16, swizzle=False)
+        a13, a2 = t["w13_input_scale"].float(), t["w2_input_scale"].float()
+        return w13, w2, (lambda x: ref_nvfp4_quant_dequant(x, a13, 16)), (lambda x: ref_nvfp4_quant_dequant(x, a2, 16)), \
+            "dequantize_to_dtype on the weights, ref_nvfp4_quant_dequant on the inputs (the layer's max input scale)"
+    if "Mxfp4" in method:
+        w13 = _dequant_mxfp4(t["w13_weight"], t["w13_weight_scale"], torch.float32)
+        w2 = _dequant_mxfp4(t["w2_weight"], t["w2_weight_scale"], torch.float32)
+        return w13, w2, (lambda x: x), (lambda x: x), \
+            "E2M1 weights times their E8M0 block scales as loaded (before Marlin's CUDA repacking), BF16 inputs (W4A16)"
+    raise SystemExit(f"no arithmetic here for vLLM's {method}")
+
+
+_TOLD: set[str] = set()
+
+
+def routed_experts(layer: object, act_fn: object) -> object:
+    """A transformers experts forward computing each expert as vLLM's layer does (``expert_arithmetic``)."""
+    import torch
+    import torch.nn.functional as F
+
+    w13, w2, in13, in2, how = expert_arithmetic(layer)
+    if how not in _TOLD:
+        _TOLD.add(how)
+        print(f"routed experts computed from vLLM's {type(layer.quant_method).__name__} tensors: {how}", flush=True)  # type: ignore[attr-defined]
+
+    def forward(hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
+        out = torch.zeros_like(hidden)
+        for e in range(w13.shape[0]):  # type: ignore[attr-defined]
+            slot, rows = torch.where((top_k_index == e).T)
+            if rows.numel() == 0:
+                continue
+            x = in13(hidden[rows].to(torch.bfloat16))  # type: ignore[operator]
+            gate, up = F.linear(x, w13[e].to(x.dtype)).chunk(2, dim=-1)  # type: ignore[index]
+            h = in2((act_fn(gate) * up).to(torch.bfloat16))  # type: ignore[operator]
+            y = F.linear(h, w2[e].to(h.dtype)) * top_k_weights[rows, slot, None]  # type: ignore[index]
+            out.index_add_(0, rows, y.to(out.dtype))
+        return out
+
+    return forward
 
 
 def modelopt_arithmetic(directory: Path, compute: object) -> object:
@@ -261,7 +421,7 @@ def modelopt_arithmetic(directory: Path, compute: object) -> object:
     return model
 
 
-def compare(directory: Path, examples_file: Path) -> None:
+def compare(directory: Path, examples_file: Path, moe_backend: str = "auto") -> None:
     import json
 
     import torch
@@ -272,10 +432,13 @@ def compare(directory: Path, examples_file: Path) -> None:
     compute = device.resolve("cpu")
     examples = json.loads(examples_file.read_text())
     sequences = [e["input_ids"] for e in examples]
-    vllm = vllm_computed(directory, compute)
-    candidates = {"fp4prep's reload": reader.load(directory, compute),
-                  "vLLM's emulation functions on the stored tensors": emulated(directory, compute),
-                  "ModelOpt's arithmetic for the inputs": modelopt_arithmetic(directory, compute)}
+    vllm = vllm_computed(directory, compute, moe_backend)
+    candidates = {"fp4prep's reload": reader.load(directory, compute)}
+    config = json.loads((directory / "config.json").read_text())
+    moe = any(k in config for k in ("num_local_experts", "n_routed_experts", "num_experts"))
+    if config["quantization_config"].get("quant_method") == "modelopt" and not moe:  # the dense checks of before
+        candidates["vLLM's emulation functions on the stored tensors"] = emulated(directory, compute)
+        candidates["ModelOpt's arithmetic for the inputs"] = modelopt_arithmetic(directory, compute)
     with torch.no_grad():
         reference = parity.final_hidden_states(vllm, sequences)
         for label, model in candidates.items():
@@ -292,16 +455,23 @@ def compare(directory: Path, examples_file: Path) -> None:
                               "mean_kl": round(tally.mean_kl, 5), "max_logit_difference": round(worst, 4)}), flush=True)
 
 
-def demo(formats: list[str]) -> None:
+# The routed experts' backend asked of vLLM per format (``KernelConfig.moe_backend``): FP8 as on
+# Hopper (Triton, static per-tensor scales), NVFP4 on vLLM's emulation (what it runs where no FP4 MoE
+# kernel does), MXFP4 by vLLM's own choice below Blackwell (Marlin, weights only).
+MOE_BACKENDS = {"fp8": "triton", "nvfp4": "emulation", "mxfp4": "auto"}
+
+
+def demo(formats: list[str], base: str) -> None:
     import json
     import tempfile
     from dataclasses import asdict
 
     from fp4prep import demo as demo_assets
+    from fp4prep.demo import moe
     from fp4prep.pipeline import PipelineConfig, run
     from fp4prep.pipeline.stages import _corpus, _tokenizer
 
-    assets = demo_assets.build()
+    assets = moe.build() if base == "moe" else demo_assets.build()
     for fmt in formats:
         with tempfile.TemporaryDirectory(prefix="fp4prep-engine-") as tmp:
             config = PipelineConfig(output_dir=Path(tmp) / "out", base_dir=assets.base_dir, adapter_dir=assets.adapter_dir,
@@ -314,8 +484,8 @@ def demo(formats: list[str]) -> None:
             print(f"{fmt}: the job's parity with BF16 on answers: top-1 {result.parity.answer_top1:.4f}, "
                   f"KL {result.parity.answer_kl:.4f}", flush=True)
             environ = {**os.environ, "VLLM_TARGET_DEVICE": "cpu", "VLLM_LOGGING_LEVEL": "ERROR"}
-            subprocess.run([str(environment()), __file__, "--inside", "compare", str(result.output_dir), str(examples_file)],
-                           env=environ, check=True)
+            subprocess.run([str(environment()), __file__, "--inside", "compare", str(result.output_dir), str(examples_file),
+                            "--moe-backend", MOE_BACKENDS[fmt]], env=environ, check=True)
 
 
 def main() -> None:
@@ -325,19 +495,21 @@ def main() -> None:
     vec = sub.add_parser("vectors")
     vec.add_argument("out", nargs="?", type=Path, default=VECTORS)
     dm = sub.add_parser("demo")
-    dm.add_argument("--format", choices=["nvfp4", "fp8", "all"], default="all")
+    dm.add_argument("--format", choices=["nvfp4", "mxfp4", "fp8", "all"], default="all")
+    dm.add_argument("--base", choices=["dense", "moe"], default="dense", help="the dense demo or the MoE demo (Mixtral layout)")
     cmp = sub.add_parser("compare", help=argparse.SUPPRESS)
     cmp.add_argument("directory", type=Path)
     cmp.add_argument("examples", type=Path)
+    cmp.add_argument("--moe-backend", default="auto")
     args = parser.parse_args()
     if args.command == "demo":
-        demo(["nvfp4", "fp8"] if args.format == "all" else [args.format])
+        demo(["nvfp4", "mxfp4", "fp8"] if args.format == "all" else [args.format], args.base)
     elif not args.inside:
         inside(sys.argv[1:])
     elif args.command == "vectors":
         write_vectors(args.out)
     else:
-        compare(args.directory, args.examples)
+        compare(args.directory, args.examples, args.moe_backend)
 
 
 if __name__ == "__main__":

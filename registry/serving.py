@@ -65,6 +65,6 @@ def _differs(quantization: str, profile: DeploymentProfile | None, report: dict)
     if not measured:
         return f"{numerics.description}; this revision's job did not measure it that way.", ""
     missed = any(profile.hardware in s["hardware"] and s["misses"] for s in report.get("serving", []))
-    if not missed:
+    if not missed or not numerics.as_declared_flag:
         return f"On {profile.hardware}: {measured}.", ""
     return f"On {profile.hardware}: {measured} ({numerics.as_declared_effect}).", numerics.as_declared_flag

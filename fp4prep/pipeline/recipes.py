@@ -20,7 +20,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from .formats import FORMATS, Format, get_format
-from .serving import MXFP4_W4A4, numerics_on
+from .serving import MXFP4_W4A4, MXFP4_W4A4_DENSE, numerics_on
 
 
 @dataclass(frozen=True)
@@ -192,7 +192,8 @@ def recipe_for(name: str, serving_hardware: Sequence[str] = ()) -> Recipe:
     if (
         recipe.name == "mxfp4"
         and serving_hardware
-        and all(numerics_on("mxfp4", h) == MXFP4_W4A4 for h in serving_hardware)
+        # Compute capability 12 quantizes the dense layers' inputs only; calibrated for all of them.
+        and all(numerics_on("mxfp4", h) in (MXFP4_W4A4, MXFP4_W4A4_DENSE) for h in serving_hardware)
     ):
         return MXFP4_FOR_BLACKWELL
     return recipe

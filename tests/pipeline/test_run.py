@@ -65,7 +65,8 @@ def test_it_prepares_a_checkpoint_engines_load_as_is(
     out = tmp_path / "out"
     result = run_tiny(
         llama_base, out, quantization, adapter_dir=adapter, calibration_file=calibration_file,
-        serving_hardware=["NVIDIA B200", "NVIDIA RTX PRO 6000 Blackwell"],
+        # Hopper too for NVFP4 (the MXFP4 recipe for Blackwell is chosen only when every GPU is one).
+        serving_hardware=["NVIDIA B200", "NVIDIA RTX PRO 6000 Blackwell"] + (["NVIDIA H200"] if quantization == "nvfp4" else []),
     )
 
     config = json.loads((out / "config.json").read_text())
@@ -134,9 +135,15 @@ def test_it_prepares_a_checkpoint_engines_load_as_is(
     assert lineage["recipe"]["activation_arithmetic"] == (None if quantization == "mxfp4" else "vLLM 0.33.0")
     assert lineage["tools"]["nvidia-modelopt"] == importlib.metadata.version("nvidia-modelopt")
     assert lineage["metrics"]["parity"] == dataclasses.asdict(parity)  # the record is the result
-    # Where the engine computes other than the checkpoint declares (MXFP4 on Blackwell: W4A4), the
-    # run measured it that way too, on the same prompts; elsewhere nothing more.
-    if quantization == "mxfp4":
+    # Where the engine computes other than the checkpoint declares (MXFP4 on Blackwell: W4A4, the
+    # same on compute capability 12 without routed experts; NVFP4 on Hopper: W4A16), the run measured
+    # it that way too, on the same prompts; elsewhere nothing more.
+    if quantization == "nvfp4":
+        (served,) = result.serving
+        assert served.numerics == "nvfp4-w4a16" and served.hardware == ["NVIDIA H200"]
+        assert served.parity.prompts == parity.prompts and served.parity.answer_kl != parity.answer_kl
+        assert "| Served on NVIDIA H200: top-1" in card
+    elif quantization == "mxfp4":
         (served,) = result.serving
         assert served.numerics == "mxfp4-w4a4"
         assert served.hardware == ["NVIDIA B200", "NVIDIA RTX PRO 6000 Blackwell"]

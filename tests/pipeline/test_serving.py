@@ -1,10 +1,17 @@
-"""Which GPUs run a checkpoint other than it declares (vLLM 0.33: MXFP4 is W4A4 on Blackwell)."""
+"""Which GPUs run a checkpoint other than it declares (vLLM 0.33: MXFP4 is W4A4 on Blackwell, its
+routed experts weights-only on compute capability 12; NVFP4 is weights-only below Blackwell)."""
 
 from __future__ import annotations
 
 import pytest
 
-from fp4prep.pipeline.serving import MXFP4_W4A4, numerics_on, profiles_to_measure
+from fp4prep.pipeline.serving import (
+    MXFP4_W4A4,
+    MXFP4_W4A4_DENSE,
+    NVFP4_W4A16,
+    numerics_on,
+    profiles_to_measure,
+)
 
 
 @pytest.mark.parametrize(
@@ -12,14 +19,19 @@ from fp4prep.pipeline.serving import MXFP4_W4A4, numerics_on, profiles_to_measur
     [
         ("mxfp4", "NVIDIA B200", MXFP4_W4A4),
         ("MXFP4", "nvidia gb300 nvl72", MXFP4_W4A4),
-        ("mxfp4", "NVIDIA RTX PRO 6000 Blackwell", MXFP4_W4A4),
+        ("mxfp4", "NVIDIA RTX PRO 6000 Blackwell", MXFP4_W4A4_DENSE),
+        ("mxfp4", "NVIDIA GeForce RTX 5090", MXFP4_W4A4_DENSE),
         ("mxfp4", "NVIDIA H200", None),
         ("mxfp4", "NVIDIA RTX 5000 Ada", None),
         ("nvfp4", "NVIDIA B200", None),
+        ("nvfp4", "NVIDIA RTX PRO 6000 Blackwell", None),
+        ("nvfp4", "NVIDIA H200", NVFP4_W4A16),
+        ("nvfp4", "NVIDIA A100 80GB", NVFP4_W4A16),
         ("fp8", "NVIDIA B200", None),
+        ("fp8", "NVIDIA H100", None),
     ],
 )
-def test_only_mxfp4_on_blackwell_runs_other_than_declared(quantization: str, hardware: str, expected: object) -> None:
+def test_the_engine_numerics_follow_the_gpu(quantization: str, hardware: str, expected: object) -> None:
     assert numerics_on(quantization, hardware) == expected
 
 
@@ -27,4 +39,20 @@ def test_each_numerics_is_measured_once_for_all_the_hardware_that_runs_it() -> N
     measured = profiles_to_measure("mxfp4", ["NVIDIA H200", "NVIDIA B200", "NVIDIA GB200", "NVIDIA H100"])
     assert measured == [(MXFP4_W4A4, ["NVIDIA B200", "NVIDIA GB200"])]
     assert profiles_to_measure("nvfp4", ["NVIDIA B200"]) == []
+    assert profiles_to_measure("nvfp4", ["NVIDIA H200", "NVIDIA B200", "NVIDIA H100"]) == [
+        (NVFP4_W4A16, ["NVIDIA H200", "NVIDIA H100"])
+    ]
     assert profiles_to_measure("mxfp4", []) == []
+
+
+def test_marlin_keeps_the_block_scales_its_s0e5m3_form_holds() -> None:
+    import torch
+
+    from fp4prep.pipeline.validation.reader import marlin_floor, marlin_scale_factor
+
+    # The largest scale brought near 448 by a power of two (vLLM's _nvfp4_compute_scale_factor).
+    assert marlin_scale_factor(448.0) == 1.0 and marlin_scale_factor(100.0) == 4.0 and marlin_scale_factor(0.0) == 1.0
+    scales = torch.tensor([448.0, 0.015625, 0.01171875, 0.0], dtype=torch.float32).to(torch.float8_e4m3fn)
+    # scale x factor x 2^7 under 2 is zeroed: 1/64 stays, 3/256 goes.
+    assert marlin_floor(scales, 1.0).float().tolist() == [448.0, 0.015625, 0.0, 0.0]
+    assert marlin_floor(scales, 4.0).float().tolist() == [448.0, 0.015625, 0.01171875, 0.0]

@@ -31,6 +31,9 @@ checked against the kernel's arithmetic case by case (each branch of its scale r
 
 from __future__ import annotations
 
+import re
+from collections.abc import Iterable
+
 import torch
 
 from .compiled import compiled
@@ -128,3 +131,25 @@ def mxfp4_activations(x: torch.Tensor) -> torch.Tensor:
     values = e2m1_round(blocks.float() * inverse)
     out = values * _exponent_float(code)
     return out.reshape(x.shape).to(x.dtype)
+
+
+# Projections an engine fuses into one layer, by their stored names' last part.
+_FUSED = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"), ("w1", "w3"))
+
+
+def engine_layers(quantized: Iterable[str]) -> dict[str, tuple[str, ...]]:
+    """For each stored quantized module, the stored modules vLLM builds its layer from: its fused
+    group (q/k/v, gate/up), and for a routed expert's projection that group in every expert of the
+    layer (one pass over the names)."""
+    groups: dict[tuple[str, str], list[str]] = {}
+    key_of: dict[str, tuple[str, str]] = {}
+    for module in quantized:
+        parent, _, leaf = module.rpartition(".")
+        leaves = next((group for group in _FUSED if leaf in group), (leaf,))
+        expert = _EXPERT.fullmatch(parent)
+        key_of[module] = key = (expert.group(1) if expert else parent, leaves[0])
+        groups.setdefault(key, []).append(module)
+    return {module: tuple(sorted(groups[key])) for module, key in key_of.items()}
+
+
+_EXPERT = re.compile(r"(.*\.experts)\.\d+")

@@ -9,6 +9,8 @@ parity, with the BF16 model's.
 
 from __future__ import annotations
 
+import fnmatch
+import math
 from collections.abc import Callable
 from functools import cached_property, partial
 from pathlib import Path
@@ -17,8 +19,9 @@ from typing import Any
 import torch
 
 from ..device import Compute
-from ..formats import declared
+from ..formats import ROUTED_EXPERTS, declared
 from ..formats.engine import (
+    engine_layers,
     fp8_per_token_activations,
     fp8_static_activations,
     mxfp4_activations,
@@ -26,6 +29,7 @@ from ..formats.engine import (
     nvfp4_global_scale,
 )
 from ..formats.numerics import (
+    E4M3_MAX,
     dequantize_fp8,
     dequantize_mxfp4,
     dequantize_nvfp4,
@@ -34,7 +38,7 @@ from ..model import streaming
 from ..model.lazy import LazyWeights
 from ..model.releases import BaseSource, release_of
 from ..model.safetensors import TensorSource, read_config
-from ..serving import MXFP4_W4A4
+from ..serving import NVFP4_W4A16, by_key
 
 # An activation quantizer is a function applied to a Linear's input.
 ActivationQuant = Callable[[torch.Tensor], torch.Tensor]
@@ -57,6 +61,7 @@ class DequantizedWeights(LazyWeights):
     ) -> None:
         self.numerics = numerics
         self.config = read_config(directory)
+        self._group_values: dict[Any, Any] = {}  # per engine layer: Marlin's factor, the input scale
         # gpt-oss's layout (``quant_method: mxfp4``, experts in ``*_blocks``/``*_scales``) declares no
         # format the rest of this reader knows: its weights are read as a release's are, weights only.
         # Every other checkpoint is one of fp4prep's exports (FP8 included, which no base release is).
@@ -97,11 +102,7 @@ class DequantizedWeights(LazyWeights):
             per_expert = fused.per_expert()
             if per_expert is None:
                 continue
-            shared = self.expert_fp8_inputs(per_expert)
-            if shared is not None:
-                experts[model] = [shared] * len(per_expert)
-            else:
-                experts[model] = [activations.get(parts[0].removesuffix(".weight"), _identity) for parts in per_expert]
+            experts[model] = [activations.get(parts[0].removesuffix(".weight"), _identity) for parts in per_expert]
         return linear, experts
 
     def stored_shape(self, name: str) -> tuple[int, ...]:
@@ -127,6 +128,8 @@ class DequantizedWeights(LazyWeights):
         if block_scale == "e4m3":
             g_name = "weight_global_scale" if layout.reciprocal_globals else "weight_scale_2"
             g = _scalar(source.raw(f"{module}.{g_name}"))
+            if self.numerics == NVFP4_W4A16.key:
+                scale = marlin_floor(scale, self._marlin_factor(module))
             weight = dequantize_nvfp4(packed, scale, 1.0 / g if layout.reciprocal_globals else g)
         elif block_scale == "e8m0":
             weight = dequantize_mxfp4(packed, scale)
@@ -134,38 +137,73 @@ class DequantizedWeights(LazyWeights):
             weight = dequantize_fp8(packed, scale)
         return weight.to(self.dtype)
 
+    def _marlin_factor(self, module: str) -> float:
+        """Marlin's power-of-two rescaling of a layer's block scales, from the largest of the layer
+        vLLM builds around ``module`` (a fused q/k/v or gate/up group; a routed-expert projection's
+        counterparts in every expert of its layer)."""
+        group = self.layers.get(module, (module,))
+        if group not in self._group_values:
+            largest = max(float(self.source.raw(f"{m}.weight_scale").float().max()) for m in group)
+            self._group_values[group] = marlin_scale_factor(largest)
+        return self._group_values[group]
+
+    @cached_property
+    def layers(self) -> dict[str, tuple[str, ...]]:
+        return engine_layers(self.quantized)
+
+    def _group_input_scale(self, module: str, leaf: str, names: set[str]) -> torch.Tensor:
+        """The largest input scale stored for the engine layer of ``module``."""
+        group = tuple(m for m in self.layers.get(module, (module,)) if f"{m}.{leaf}" in names) or (module,)
+        key = (group, leaf)
+        if key not in self._group_values:
+            self._group_values[key] = torch.stack([self.source.raw(f"{m}.{leaf}").float().max() for m in group]).max()
+        return self._group_values[key]
+
     def _activation_quant(self, module: str, names: set[str]) -> ActivationQuant | None:
         fmt, layout, source = self.declared.format, self.declared.layout, self.source
         fp8 = source.stored_dtype(f"{module}.{layout.packed_name}") == torch.float8_e4m3fn
+        served = by_key(self.numerics)
+        if served is not None and not fp8:  # the engine's numerics on the serving hardware
+            expert = fnmatch.fnmatchcase(module, ROUTED_EXPERTS)
+            if served.fp4_inputs == "" or (served.fp4_inputs == "dense" and expert):
+                return None
+            if fmt.block_scale == "e8m0":
+                return mxfp4_activations
         if fmt.block_scale == "e4m3" and not fp8:
             i_name = "input_global_scale" if layout.reciprocal_globals else "input_scale"
             if f"{module}.{i_name}" not in names:
                 return None
-            stored = source.raw(f"{module}.{i_name}").float()
+            # vLLM takes one input scale for the layer it builds: the largest stored for its fused
+            # shards (q/k/v, gate/up) and, for routed experts, over every expert of the layer.
+            stored = self._group_input_scale(module, i_name, names)
             # compressed-tensors stores the engine's global scale itself, ModelOpt its reciprocal.
             scale = stored.max() if layout.reciprocal_globals else nvfp4_global_scale(stored)
             return partial(nvfp4_activations, global_scale=scale.to(self.device), block_size=fmt.block_size)
         if fmt.block_scale == "e8m0" and not fp8:
             # Declared or not, MXFP4 inputs are quantized only where vLLM runs FlashInfer's W4A4.
-            return mxfp4_activations if self.numerics == MXFP4_W4A4.key or self.declared.dynamic_inputs else None
+            return mxfp4_activations if self.declared.dynamic_inputs else None
         # A stored input scale is static whatever the checkpoint declares (routed experts' FP8).
-        if f"{module}.input_scale" in names:
-            return partial(fp8_static_activations, scale=source.raw(f"{module}.input_scale").to(self.device))
+        if f"{module}.input_scale" in names:  # one scale for the engine's layer: the experts' largest
+            return partial(fp8_static_activations, scale=self._group_input_scale(module, "input_scale", names).to(self.device))
         if self.declared.dynamic_inputs:
             return fp8_per_token_activations
         return None
 
-    def expert_fp8_inputs(self, per_expert: list[list[str]]) -> ActivationQuant | None:
-        """The static FP8 input quantization of one projection of a layer's routed experts as vLLM
-        runs it: one scale for all of them, the largest stored (``ModelOptFp8MoEMethod``)."""
-        names = [f"{parts[0].removesuffix('.weight')}.input_scale" for parts in per_expert]
-        stored = set(self.source.names())
-        packed = [f"{parts[0].removesuffix('.weight')}.{self.declared.layout.packed_name}" for parts in per_expert]
-        fp8 = all(n in stored and self.source.stored_dtype(n) == torch.float8_e4m3fn for n in packed)
-        if not fp8 or not all(n in stored for n in names):
-            return None
-        scale = torch.stack([self.source.raw(n).float().reshape(()) for n in names]).max()
-        return partial(fp8_static_activations, scale=scale.to(self.device))
+
+
+def marlin_scale_factor(largest: float) -> float:
+    """The power of two Marlin multiplies a layer's E4M3 block scales by so that the largest nears
+    448 (``_nvfp4_compute_scale_factor``); 1 where it is there already."""
+    if largest <= 0 or largest >= E4M3_MAX:
+        return 1.0
+    return float(2.0 ** math.floor(math.log2(E4M3_MAX / largest)))
+
+
+def marlin_floor(scale: torch.Tensor, factor: float) -> torch.Tensor:
+    """The block scales as Marlin keeps them: zero where ``scale * factor * 2^7`` is under 2 (its
+    S0E5M3 form has no room for them: ``nvfp4_marlin_process_scales``)."""
+    kept = scale.float() * factor * 128 >= 2
+    return torch.where(kept, scale.float(), 0.0).to(scale.dtype)
 
 
 def _identity(x: torch.Tensor) -> torch.Tensor:

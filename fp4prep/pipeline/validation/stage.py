@@ -41,7 +41,7 @@ def validate(state: Run, base: Base, calibration: Calibration, exported: parity.
         kept_measure = retention.Retention(merged, dequantized, learned.factors) if merged.targets() else None
         merged.watch = kept_measure.observe if kept_measure is not None else None
         bf16_model = streaming.build(read_config(config.base_dir), merged, compute, config.base_dir)
-        profiles = serving.profiles_to_measure(recipe.name, config.serving_hardware)
+        profiles = serving.profiles_to_measure(recipe.name, config.serving_hardware, bool(learned.expert_tokens))
         # The BF16 side once (its continuations, hidden states and task score), then each candidate:
         # the checkpoint as declared, and as the engine computes it on each profile that differs.
         share = 0.9 / (len(profiles) + 2)
@@ -65,6 +65,13 @@ def validate(state: Run, base: Base, calibration: Calibration, exported: parity.
             for (numerics, hardware), (p, t) in zip(profiles, measured[1:], strict=True)
         ]
         missed = gate.misses(thresholds, behaviour, reload_diff, kept)
+        # Where the hardware has no way to run the checkpoint as declared, what it runs is gated too.
+        missed += [
+            f"served on {', '.join(s.hardware)} ({s.numerics}): {miss}"
+            for s, (numerics, _) in zip(served, profiles, strict=True)
+            if not numerics.as_declared_flag
+            for miss in s.misses
+        ]
         if missed and config.quality_gate:
             raise PipelineError("the checkpoint missed its quality thresholds: " + "; ".join(missed))
         sizes = {"base": safetensors_bytes(config.base_dir), "checkpoint": safetensors_bytes(out)}

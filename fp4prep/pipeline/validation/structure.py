@@ -12,6 +12,7 @@ import torch
 
 from ..errors import PipelineError
 from ..formats import FORMATS, Format, declared
+from ..formats.engine import engine_layers
 from ..model.safetensors import TensorSource, directory_bytes, read_config
 
 _FUSED_GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
@@ -29,9 +30,18 @@ def structure(directory: Path, fmt: Format, bf16_bytes: int) -> list[str]:
     if not quantized:
         raise PipelineError("the checkpoint holds no quantized tensors")
     checks = [f"format {fmt.name} declared and written ({len(quantized)} quantized modules)"]
-    globals_ = {m: g for m in quantized if (g := _check_module(source, names, m, fmt, found.layout.packed_name)) is not None}
+    fp8 = _fp8_layers(config) if fmt.e2m1 else ()
+    globals_ = {
+        m: g
+        for m in quantized
+        if (g := _check_module(source, names, m, FORMATS["fp8"] if m.startswith(fp8) else fmt, found.layout.packed_name))
+        is not None
+    }
     if globals_:
         checks.append(_check_fused_globals(globals_))
+    shared = _check_shared_inputs(source, names, set(quantized))
+    if shared:
+        checks.append(shared)
     checks.append(_check_exclusions(source, names, set(quantized), _excluded(config)))
     dense = {n: source.shape(n) for n in names if n.rpartition(".")[0] not in quantized}
     for module in quantized:
@@ -51,8 +61,6 @@ def _check_module(source: TensorSource, names: set[str], module: str, fmt: Forma
     packed_key = f"{module}.{packed_name}"
     packed_dtype, packed_shape = source.stored_dtype(packed_key), source.shape(packed_key)
     scale = source.raw(f"{module}.weight_scale")
-    if packed_dtype == torch.float8_e4m3fn and fmt.e2m1:  # an FP8 layer of a mixed-precision checkpoint
-        fmt = FORMATS["fp8"]
     if fmt.e2m1:
         if packed_dtype != torch.uint8:
             raise PipelineError(f"{module}: FP4 weights stored as {packed_dtype}, not packed uint8")
@@ -75,6 +83,39 @@ def _check_module(source: TensorSource, names: set[str], module: str, fmt: Forma
         if not (value > 0 and value < float("inf")):
             raise PipelineError(f"{module}: {leaf} is {value}")
     return float(source.raw(f"{module}.weight_scale_2").float())
+
+
+def _fp8_layers(config: dict[str, Any]) -> tuple[str, ...]:
+    """The module prefixes a mixed-precision config declares FP8 (a layer's routed experts are one)."""
+    layers = (config.get("quantization_config") or {}).get("quantized_layers") or {}
+    return tuple(
+        f"{name}." if name.endswith("experts") else name
+        for name, layer in layers.items()
+        if isinstance(layer, dict) and str(layer.get("quant_algo", "")).upper().startswith("FP8")
+    )
+
+
+def _check_shared_inputs(source: TensorSource, names: set[str], quantized: set[str]) -> str:
+    """The input scales of each layer the engine builds from several stored modules (q/k/v, gate/up,
+    a layer's routed experts) must be equal: vLLM quantizes that layer's input with one scale, the
+    largest stored, so a smaller one would be silently replaced."""
+    layers = 0
+    for group in sorted(set(engine_layers(quantized).values())):
+        module = group[0]
+        if len(group) < 2:
+            continue
+        leaf = next((f for f in ("input_scale", "input_global_scale") if f"{module}.{f}" in names), None)
+        if leaf is None:
+            continue
+        values = {m: float(source.raw(f"{m}.{leaf}").float().max()) for m in group if f"{m}.{leaf}" in names}
+        low, high = min(values, key=values.__getitem__), max(values, key=values.__getitem__)
+        if values[low] != values[high]:
+            raise PipelineError(
+                f"{low} and {high} store different {leaf}s ({values[low]:g} and {values[high]:g}): the engine "
+                f"runs them as one layer with one input scale, the larger"
+            )
+        layers += 1
+    return f"one input scale per engine layer ({layers} fused or routed-expert layers)" if layers else ""
 
 
 def _check_exclusions(source: TensorSource, names: set[str], quantized: set[str], excluded: list[str]) -> str:

@@ -67,8 +67,13 @@ def test_the_untouched_checkpoint_passes(nvfp4_checkpoint: Path) -> None:
             ),
             f"{Q} is left in BF16 but not listed as excluded",
         ),
+        (
+            # vLLM runs q/k/v as one layer with one input scale, the largest of the three.
+            lambda w: w.__setitem__(f"{Q}.input_scale", w[f"{Q}.input_scale"] / 2),
+            f"{Q} and model.layers.0.self_attn.k_proj store different input_scales",
+        ),
     ],
-    ids=["nan-scale", "missing-input-scale", "unshared-global", "fp8-not-packed", "unlisted-bf16"],
+    ids=["nan-scale", "missing-input-scale", "unshared-global", "fp8-not-packed", "unlisted-bf16", "unshared-input"],
 )
 def test_a_broken_checkpoint_is_refused(nvfp4_checkpoint: Path, tmp_path: Path, change, message: str) -> None:
     broken = tampered(nvfp4_checkpoint, tmp_path / "broken", change)
