@@ -102,8 +102,25 @@ def write_vectors(out: Path) -> None:
         tensors[f"nvfp4.{i}.out"] = ref_nvfp4_quant_dequant(x, global_scale, 16)
     with set_current_vllm_config(VllmConfig()):
         quant = QuantFP8(static=False, group_shape=GroupShape.PER_TOKEN)
+        static = QuantFP8(static=True, group_shape=GroupShape.PER_TENSOR)
     q, scale = quant.forward_native(x)
     tensors["fp8.out"] = (q.float() * scale).to(x.dtype)
+    # Static per-tensor inputs (routed experts' FP8): a stored scale under the tensor's own amax/448,
+    # so some values clip.
+    tensors["fp8.static.scale"] = (amax / 448.0 * 0.5).to(torch.float32).reshape(())
+    q, scale = static.forward_native(x, tensors["fp8.static.scale"])
+    tensors["fp8.static.out"] = (q.float() * scale).to(x.dtype)
+    # Marlin's NVFP4 block scales (W4A16 below Blackwell): which it zeroes, for layers whose largest
+    # scale is at, a little and far under 448 (its power-of-two factor then differs).
+    from vllm.model_executor.layers.quantization.utils.marlin_utils_fp4 import nvfp4_marlin_process_scales
+
+    for i, top in enumerate((448.0, 100.0, 3.0)):
+        scales = (torch.rand(64, 64, generator=g) ** 6 * top).to(torch.float8_e4m3fn)
+        scales[0, 0] = torch.tensor(top).to(torch.float8_e4m3fn)
+        processed, factor = nvfp4_marlin_process_scales(scales.to(torch.bfloat16), a_dtype=torch.bfloat16)
+        kept = (processed.view(torch.uint8) != 0).reshape(-1, 4)[:, [0, 2, 1, 3]].reshape(scales.shape)  # its [0,2,1,3] undone
+        tensors[f"marlin.{i}.scales"], tensors[f"marlin.{i}.factor"] = scales, torch.tensor(float(factor))
+        tensors[f"marlin.{i}.kept"] = kept
     out.parent.mkdir(parents=True, exist_ok=True)
     save_file(tensors, out, metadata={"vllm": VLLM})
     print(f"wrote {out} ({out.stat().st_size // 1024} KiB): vLLM {VLLM}'s outputs on {tuple(x.shape)} BF16 inputs")

@@ -44,15 +44,3 @@ def test_each_numerics_is_measured_once_for_all_the_hardware_that_runs_it() -> N
     ]
     assert profiles_to_measure("mxfp4", []) == []
 
-
-def test_marlin_keeps_the_block_scales_its_s0e5m3_form_holds() -> None:
-    import torch
-
-    from fp4prep.pipeline.validation.reader import marlin_floor, marlin_scale_factor
-
-    # The largest scale brought near 448 by a power of two (vLLM's _nvfp4_compute_scale_factor).
-    assert marlin_scale_factor(448.0) == 1.0 and marlin_scale_factor(100.0) == 4.0 and marlin_scale_factor(0.0) == 1.0
-    scales = torch.tensor([448.0, 0.015625, 0.01171875, 0.0], dtype=torch.float32).to(torch.float8_e4m3fn)
-    # scale x factor x 2^7 under 2 is zeroed: 1/64 stays, 3/256 goes.
-    assert marlin_floor(scales, 1.0).float().tolist() == [448.0, 0.015625, 0.0, 0.0]
-    assert marlin_floor(scales, 4.0).float().tolist() == [448.0, 0.015625, 0.01171875, 0.0]

@@ -68,6 +68,23 @@ def test_fp8_per_token_inputs_match_vllm(vectors: dict[str, torch.Tensor]) -> No
     assert not torch.equal(numerics.fp8_fake_quant(x, x.abs().amax(-1, keepdim=True)), vectors["fp8.out"])
 
 
+def test_static_fp8_inputs_match_vllm(vectors: dict[str, torch.Tensor]) -> None:
+    # Routed experts' FP8: one stored scale, some values clipped at 448 times it.
+    got = engine.fp8_static_activations(vectors["x"], vectors["fp8.static.scale"])
+    assert torch.equal(got, vectors["fp8.static.out"])
+
+
+@pytest.mark.parametrize("i", range(3))
+def test_marlin_keeps_the_nvfp4_block_scales_vllm_keeps(vectors: dict[str, torch.Tensor], i: int) -> None:
+    from fp4prep.pipeline.validation.reader import marlin_floor, marlin_scale_factor
+
+    scales = vectors[f"marlin.{i}.scales"]
+    factor = marlin_scale_factor(float(scales.float().max()))
+    assert factor == float(vectors[f"marlin.{i}.factor"])
+    kept = marlin_floor(scales, factor).float() != 0
+    assert torch.equal(kept, vectors[f"marlin.{i}.kept"]) and not kept.all()
+
+
 def test_input_quantizers_run_the_engines_arithmetic(vectors: dict[str, torch.Tensor]) -> None:
     """ModelOpt's input quantizers, on fp4prep's input backend, compute vLLM's values from their amax."""
     from modelopt.torch.quantization.config import QuantizerAttributeConfig
