@@ -44,3 +44,20 @@ def test_each_numerics_is_measured_once_for_all_the_hardware_that_runs_it() -> N
     ]
     assert profiles_to_measure("mxfp4", []) == []
 
+
+
+def test_the_gate_holds_what_a_gpu_runs_when_no_setting_avoids_it(tmp_path, tokenizer_dir) -> None:
+    # NVFP4 on Hopper runs weights-only and vLLM has no W4A4 kernel to ask for there: a job served on
+    # an H200 alone is held to what the H200 computes (and only that), named as such.
+    import dataclasses
+
+    from fp4prep.pipeline import PipelineError
+    from tests.tiny import save_tiny_base, write_conversations
+
+    from .helpers import TINY, run_tiny
+
+    base = save_tiny_base(tmp_path / "base", "llama", tokenizer_dir)
+    strict = dataclasses.replace(TINY, continuation_top1=1.01)  # no checkpoint reaches it
+    with pytest.raises(PipelineError, match=r"thresholds: served on NVIDIA H200 \(nvfp4-w4a16\): top-1 agreement on the BF16 model's own continuations 0\.\d+ < 1\.01$"):
+        run_tiny(base, tmp_path / "out", "nvfp4", serving_hardware=["NVIDIA H200"], thresholds=strict,
+                 calibration_file=write_conversations(tmp_path / "calibration.jsonl", 120))

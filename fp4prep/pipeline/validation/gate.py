@@ -7,15 +7,28 @@ from ..recipes import Thresholds
 
 
 def misses(
-    thresholds: Thresholds, parity: ParityReport, reload_diff: float, kept: RetentionReport | None
+    thresholds: Thresholds, parity: ParityReport | None, reload_diff: float, kept: RetentionReport | None
 ) -> list[str]:
-    """Every way the checkpoint falls short of its recipe's bar, as sentences."""
+    """Every way the checkpoint falls short of its recipe's bar, as sentences (its parity's only
+    where ``parity`` is given: numerics no GPU it is served on runs are not held)."""
     failures = []
     if reload_diff > thresholds.reload_max_logit_diff:
         failures.append(
             f"the reloaded checkpoint's logits differ from the calibrated model's by {reload_diff:.3f} "
             f"(at most {thresholds.reload_max_logit_diff})"
         )
+    if parity is not None:
+        failures += _parity_misses(thresholds, parity)
+    if kept is not None and kept.pooled < thresholds.adapter_retention:
+        failures.append(
+            f"only {kept.pooled:.2f} of the adapter's change survived quantization "
+            f"(at least {thresholds.adapter_retention}): was the base already quantized?"
+        )
+    return failures
+
+
+def _parity_misses(thresholds: Thresholds, parity: ParityReport) -> list[str]:
+    failures = []
     if parity.continuation_top1 < thresholds.continuation_top1:
         failures.append(
             f"top-1 agreement on the BF16 model's own continuations {parity.continuation_top1:.3f} "
@@ -24,12 +37,5 @@ def misses(
     if parity.answer_kl > thresholds.answer_kl:
         failures.append(f"mean KL on the assistant turns {parity.answer_kl:.3f} > {thresholds.answer_kl}")
     if parity.identical_greedy < thresholds.identical_greedy:
-        failures.append(
-            f"identical greedy share {parity.identical_greedy:.3f} < {thresholds.identical_greedy}"
-        )
-    if kept is not None and kept.pooled < thresholds.adapter_retention:
-        failures.append(
-            f"only {kept.pooled:.2f} of the adapter's change survived quantization "
-            f"(at least {thresholds.adapter_retention}): was the base already quantized?"
-        )
+        failures.append(f"identical greedy share {parity.identical_greedy:.3f} < {thresholds.identical_greedy}")
     return failures
