@@ -38,8 +38,19 @@ def test_moe_models_export_every_expert_with_its_scales(
         for proj in ("gate_proj", "up_proj", "down_proj"):
             prefix = f"model.layers.1.mlp.experts.{e}.{proj}"
             assert t[f"{prefix}.{packed}"].dtype == dtype
+            # What vLLM's routed-experts loaders create per expert projection (hidden 64, expert
+            # intermediate 32): ModelOptNvFp4FusedMoE's packed E2M1 with E4M3 scales per 16, one
+            # global and one input scale; CompressedTensorsW4A4Mxfp4MoEMethod's E8M0 scales per 32.
+            rows, cols = (64, 32) if proj == "down_proj" else (32, 64)
             if quantization == "nvfp4":
-                assert float(t[f"{prefix}.input_scale"]) > 0
+                assert float(t[f"{prefix}.input_scale"]) > 0 and t[f"{prefix}.weight_scale_2"].numel() == 1
+                assert t[f"{prefix}.weight"].shape == (rows, cols // 2)
+                assert (t[f"{prefix}.weight_scale"].shape, t[f"{prefix}.weight_scale"].dtype) == ((rows, cols // 16), torch.float8_e4m3fn)
+            elif quantization == "mxfp4":
+                assert t[f"{prefix}.weight_packed"].shape == (rows, cols // 2)
+                assert (t[f"{prefix}.weight_scale"].shape, t[f"{prefix}.weight_scale"].dtype) == ((rows, cols // 32), torch.uint8)
+            else:
+                assert t[f"{prefix}.weight"].shape == (rows, cols)
         if quantization == "nvfp4":
             gate, up = (
                 float(t[f"model.layers.1.mlp.experts.{e}.{p}.weight_scale_2"])
