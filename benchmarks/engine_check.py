@@ -1,27 +1,31 @@
 """Check fp4prep against the serving engine's own code: vLLM 0.33.0, installed here, on the CPU.
 
+One script longer than 400 lines: it runs twice, in fp4prep's environment and again inside vLLM's
+(``--inside``), and both halves share its helpers.
+
 vLLM goes into its own virtual environment (``$FP4PREP_DATA_DIR/vllm-0.33.0``, made on first use:
 the vLLM wheel without its CUDA dependencies, the pure-Python packages its import needs, and this
 project's torch through a path file), so nothing in fp4prep's own environment changes. Then:
 
     .venv/bin/python benchmarks/engine_check.py vectors [OUT.safetensors]
-        vLLM's activation quantization (NVFP4 ``ref_nvfp4_quant_dequant``, per-token FP8
-        ``QuantFP8.forward_native``) on random tensors that reach every branch: blocks whose scale
-        rounds to zero, clipping above the global scale, E2M1 ties. The default OUT is the file
+        vLLM's activation quantization (NVFP4 ``ref_nvfp4_quant_dequant``, per-token and static
+        FP8 ``QuantFP8.forward_native``) on random tensors that reach every branch, and the NVFP4
+        block scales Marlin zeroes (``nvfp4_marlin_process_scales``). The default OUT is the file
         tests/pipeline/formats/test_engine_numerics.py compares fp4prep's arithmetic with.
 
-    .venv/bin/python benchmarks/engine_check.py demo [--format nvfp4|fp8|all]
-        The demo's job for each format (its recipe, quality gate off); then vLLM's own loader loads
-        the checkpoint on the CPU (config discovery, the quantization config, the real model class,
-        ``load_weights``, every layer's ``process_weights_after_loading``) and prints what it made
-        of it: the quantized layers, their kernel, the tensors it placed in one. The checkpoint is
-        then run over the job's held-back conversations with every quantized linear layer computed
-        by the layer vLLM loaded (its ``quant_method.apply``: for NVFP4 vLLM's emulation kernel,
-        the one it falls back to where no optimized kernel runs; for FP8 its CPU kernel), everything
-        else alike, and compared with fp4prep's reload (its own reader, the engine's activation
-        arithmetic), with vLLM's emulation functions applied to the stored tensors, and with
-        ModelOpt's arithmetic for the inputs: the agreement of the logits (top-1, KL) on the
-        assistant's answers. MXFP4's emulation in vLLM needs AMD's quark kernels and is not run here.
+    .venv/bin/python benchmarks/engine_check.py demo [--base dense|moe] [--format nvfp4|mxfp4|fp8|all]
+        The demo's job for each format (its recipe, quality gate off) on the dense demo or the
+        Mixtral-layout MoE demo; then vLLM's own loader loads the checkpoint on the CPU (config
+        discovery, the quantization config, the real model class, ``load_weights``, every layer's
+        ``process_weights_after_loading``) and prints what it made of it: the quantized layers,
+        their kernel or MoE backend, the tensors it placed in one of each. The checkpoint is then
+        run over the job's held-back conversations with every quantized linear layer computed by
+        the layer vLLM loaded (``quant_method.apply``: NVFP4 and MXFP4 on vLLM's emulation kernels,
+        MXFP4 weights-only as Marlin runs it; FP8 on its CPU kernel) and every routed-experts layer
+        computed from the tensors vLLM's post-processing left (its fused-MoE kernels are Triton or
+        CUDA), and compared with fp4prep's reload: the agreement of the logits (top-1, KL) on the
+        assistant's answers. Where a piece of vLLM runs on CUDA only, the replacement is named
+        where it is made (``loaded_by_vllm``).
 """
 
 from __future__ import annotations

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
-from ..config import ParityReport, RetentionReport
+from collections.abc import Sequence
+
+from .. import serving
+from ..config import ParityReport, RetentionReport, ServingReport
 from ..recipes import Thresholds
 
 
@@ -39,3 +42,25 @@ def _parity_misses(thresholds: Thresholds, parity: ParityReport) -> list[str]:
     if parity.identical_greedy < thresholds.identical_greedy:
         failures.append(f"identical greedy share {parity.identical_greedy:.3f} < {thresholds.identical_greedy}")
     return failures
+
+
+def held(
+    thresholds: Thresholds,
+    declared: ParityReport,
+    reload_diff: float,
+    kept: RetentionReport | None,
+    served: Sequence[ServingReport],
+    quantization: str,
+    hardware: Sequence[str],
+) -> list[str]:
+    """What the gate holds the checkpoint to on the GPUs it is served on: the declared numerics where
+    some GPU runs them (or can be told to), and every served numerics no vLLM setting avoids."""
+    runs_declared = not hardware or any(
+        (n := serving.numerics_on(quantization, h)) is None or n.as_declared_flag for h in hardware
+    )
+    missed = misses(thresholds, declared if runs_declared else None, reload_diff, kept)
+    for report in served:
+        numerics = serving.by_key(report.numerics)
+        if numerics is not None and not numerics.as_declared_flag:
+            missed += [f"served on {', '.join(report.hardware)} ({report.numerics}): {m}" for m in report.misses]
+    return missed

@@ -64,18 +64,7 @@ def validate(state: Run, base: Base, calibration: Calibration, exported: parity.
             )
             for (numerics, hardware), (p, t) in zip(profiles, measured[1:], strict=True)
         ]
-        # The declared numerics are held where some GPU it is served on runs them (or can be told to).
-        declared_runs = not config.serving_hardware or any(
-            (n := serving.numerics_on(recipe.name, h)) is None or n.as_declared_flag for h in config.serving_hardware
-        )
-        missed = gate.misses(thresholds, behaviour if declared_runs else None, reload_diff, kept)
-        # Where the hardware has no way to run the checkpoint as declared, what it runs is gated too.
-        missed += [
-            f"served on {', '.join(s.hardware)} ({s.numerics}): {miss}"
-            for s, (numerics, _) in zip(served, profiles, strict=True)
-            if not numerics.as_declared_flag
-            for miss in s.misses
-        ]
+        missed = gate.held(thresholds, behaviour, reload_diff, kept, served, recipe.name, config.serving_hardware)
         if missed and config.quality_gate:
             raise PipelineError("the checkpoint missed its quality thresholds: " + "; ".join(missed))
         sizes = {"base": safetensors_bytes(config.base_dir), "checkpoint": safetensors_bytes(out)}
