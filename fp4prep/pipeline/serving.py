@@ -68,22 +68,24 @@ NVFP4_W4A16 = EngineNumerics(
 )
 
 
+def _named(hardware: str, markers: tuple[str, ...]) -> bool:
+    return any(marker in hardware.lower() for marker in markers)
+
+
 def is_blackwell(hardware: str) -> bool:
-    name = hardware.lower()
-    return any(marker in name for marker in SM12X + SM10X)
+    return _named(hardware, SM12X + SM10X)
 
 
 def numerics_on(quantization: str, hardware: str) -> EngineNumerics | None:
     """The engine's numerics for a ``quantization`` checkpoint on ``hardware``, where they are not
     the ones the checkpoint declares (None where they are)."""
-    name, quantization = hardware.lower(), quantization.lower()
+    quantization = quantization.lower()
     if quantization == "nvfp4":
-        return None if is_blackwell(name) else NVFP4_W4A16
-    if quantization == "mxfp4":
-        if any(marker in name for marker in SM12X):
-            return MXFP4_W4A4_DENSE
-        if any(marker in name for marker in SM10X):
-            return MXFP4_W4A4
+        return None if is_blackwell(hardware) else NVFP4_W4A16
+    if quantization == "mxfp4" and _named(hardware, SM12X):  # before SM10X: they share "blackwell"
+        return MXFP4_W4A4_DENSE
+    if quantization == "mxfp4" and _named(hardware, SM10X):
+        return MXFP4_W4A4
     return None
 
 

@@ -61,7 +61,9 @@ class DequantizedWeights(LazyWeights):
     ) -> None:
         self.numerics = numerics
         self.config = read_config(directory)
-        self._group_values: dict[Any, Any] = {}  # per engine layer: Marlin's factor, the input scale
+        # Per engine layer (``layers``): Marlin's block-scale factor, the largest input scale.
+        self._marlin_factors: dict[tuple[str, ...], float] = {}
+        self._input_scales: dict[tuple[tuple[str, ...], str], torch.Tensor] = {}
         # gpt-oss's layout (``quant_method: mxfp4``, experts in ``*_blocks``/``*_scales``) declares no
         # format the rest of this reader knows: its weights are read as a release's are, weights only.
         # Every other checkpoint is one of fp4prep's exports (FP8 included, which no base release is).
@@ -100,9 +102,8 @@ class DequantizedWeights(LazyWeights):
         experts = {}
         for model, fused in self.names.fused.items():
             per_expert = fused.per_expert()
-            if per_expert is None:
-                continue
-            experts[model] = [activations.get(parts[0].removesuffix(".weight"), _identity) for parts in per_expert]
+            if per_expert is not None:
+                experts[model] = [activations.get(parts[0].removesuffix(".weight"), _identity) for parts in per_expert]
         return linear, experts
 
     def stored_shape(self, name: str) -> tuple[int, ...]:
@@ -123,18 +124,16 @@ class DequantizedWeights(LazyWeights):
         layout, block_scale, source = self.declared.layout, self.declared.format.block_scale, self.source
         packed = source.raw(f"{module}.{layout.packed_name}").to(self.device)
         scale = source.raw(f"{module}.weight_scale").to(self.device)
-        if packed.dtype == torch.float8_e4m3fn:  # FP8, also in a mixed-precision checkpoint
-            return dequantize_fp8(packed, scale).to(self.dtype)
-        if block_scale == "e4m3":
+        if packed.dtype == torch.float8_e4m3fn:  # FP8, also the FP8 layers of a mixed-precision checkpoint
+            weight = dequantize_fp8(packed, scale)
+        elif block_scale == "e4m3":
             g_name = "weight_global_scale" if layout.reciprocal_globals else "weight_scale_2"
             g = _scalar(source.raw(f"{module}.{g_name}"))
             if self.numerics == NVFP4_W4A16.key:
                 scale = marlin_floor(scale, self._marlin_factor(module))
             weight = dequantize_nvfp4(packed, scale, 1.0 / g if layout.reciprocal_globals else g)
-        elif block_scale == "e8m0":
-            weight = dequantize_mxfp4(packed, scale)
         else:
-            weight = dequantize_fp8(packed, scale)
+            weight = dequantize_mxfp4(packed, scale)
         return weight.to(self.dtype)
 
     def _marlin_factor(self, module: str) -> float:
@@ -142,10 +141,10 @@ class DequantizedWeights(LazyWeights):
         vLLM builds around ``module`` (a fused q/k/v or gate/up group; a routed-expert projection's
         counterparts in every expert of its layer)."""
         group = self.layers.get(module, (module,))
-        if group not in self._group_values:
+        if group not in self._marlin_factors:
             largest = max(float(self.source.raw(f"{m}.weight_scale").float().max()) for m in group)
-            self._group_values[group] = marlin_scale_factor(largest)
-        return self._group_values[group]
+            self._marlin_factors[group] = marlin_scale_factor(largest)
+        return self._marlin_factors[group]
 
     @cached_property
     def layers(self) -> dict[str, tuple[str, ...]]:
@@ -155,9 +154,9 @@ class DequantizedWeights(LazyWeights):
         """The largest input scale stored for the engine layer of ``module``."""
         group = tuple(m for m in self.layers.get(module, (module,)) if f"{m}.{leaf}" in names) or (module,)
         key = (group, leaf)
-        if key not in self._group_values:
-            self._group_values[key] = torch.stack([self.source.raw(f"{m}.{leaf}").float().max() for m in group]).max()
-        return self._group_values[key]
+        if key not in self._input_scales:
+            self._input_scales[key] = torch.stack([self.source.raw(f"{m}.{leaf}").float().max() for m in group]).max()
+        return self._input_scales[key]
 
     def _activation_quant(self, module: str, names: set[str]) -> ActivationQuant | None:
         fmt, layout, source = self.declared.format, self.declared.layout, self.source
