@@ -13,7 +13,11 @@ plus the adapter), on the demo's held-back conversations and the adapter's task 
   every other tensor copied from the release byte for byte;
 - ``held-gptq``: the same, the changed weights rounded by GPTQ on the Hessians of the BF16 merged
   model's inputs, without the coordinate descent after it;
-- ``recipe``: what a job does: GPTQ on the held scales, then coordinate descent over every column.
+- ``merged-inputs``: GPTQ and coordinate descent on the held scales, every layer rounded on the
+  BF16 merged model's inputs (the recipe before it rounded on the prepared model's);
+- ``recipe``: what a job does: GPTQ on the held scales, then coordinate descent over every column,
+  each layer rounded on the inputs the layers before it give once rounded, towards the BF16 merged
+  model's outputs.
 
     .venv/bin/python benchmarks/fp4_release.py [--base dense moe] [--task sentiment dates] [--only peers held-rtn]
 
@@ -39,7 +43,7 @@ warnings.filterwarnings("ignore")
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 DESCENT_PASSES = 4  # the job's (held_gptq.DESCENT_PASSES)
-CANDIDATES = ("peers", "scratch", "held-rtn", "held-gptq", "recipe")
+CANDIDATES = ("peers", "scratch", "held-rtn", "held-gptq", "merged-inputs", "recipe")
 
 
 def run_candidate(candidate: str, assets: Any, out: Path) -> dict[str, Any]:
@@ -52,6 +56,7 @@ def run_candidate(candidate: str, assets: Any, out: Path) -> dict[str, Any]:
     if candidate in ("peers", "held-rtn"):
         recipe = dataclasses.replace(recipe, steps=())
     held_gptq.DESCENT_PASSES = 0 if candidate == "held-gptq" else DESCENT_PASSES
+    held_gptq.PREPARED_INPUTS = candidate == "recipe"
     started = time.perf_counter()
     result = run(PipelineConfig(
         base_dir=base, output_dir=out, quantization="mxfp4", adapter_dir=assets.adapter_dir,

@@ -9,8 +9,19 @@ and enough of it crosses a rounding boundary somewhere to show in the outputs. T
 (and global) scales are held, so the weights keep the grid the engine reads and the scales are
 copied byte for byte.
 
-The Hessians are those of the BF16 merged model's inputs on the calibration corpus, walked one
-decoder layer at a time (``layer_walk.Walk``: each layer's weights read once for every batch). A
+The Hessians are those of the inputs each layer gets in the model as prepared so far, the layers
+before it already rounded, and each weight is rounded towards what the BF16 merged model's layer
+outputs from its own inputs: minimizing ``||X~ Q^T - X W^T||²`` (``X~`` the prepared model's inputs,
+``X`` the merged model's) is GPTQ on ``X~``'s Hessian towards the weight ``W + W D^T X~ H~^-1``
+(``D = X - X~``, GPTAQ's asymmetric calibration), so a layer also takes up the error the layers
+before it left, where rounding on the merged model's inputs alone lets it pile up with depth. Within
+a layer the weights are rounded stage by stage in the order the layer reads their inputs (q/k/v,
+then o on what the rounded q/k/v give, then gate/up, then down; routed experts' inputs, then their
+``act(gate) * up``): taken all at once from the merged weights, o would make up again for what q/k/v
+already made up for, and the layer would overshoot (measured on the dense demo: KL on answers 0.85
+all at once, 0.0079 by stages). Both models are walked one decoder layer at a time together
+(``layer_walk.Walk``: each layer's weights read once, every stage's runs made with them held), and
+the prepared model's hidden states are kept apart from the first layer the adapter changes. A
 routed expert's come from the rows of the tokens its router sent it: the experts module's input for
 its gate and up projections, ``act(gate) * up`` for its down projection (computed from the layer's
 weights in place, as transformers' experts compute it). One layer's expert Hessians are gathered in
@@ -24,8 +35,10 @@ file per layer, for the export to write.
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -34,7 +47,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from ..formats.numerics import quantize_to_scales, scale_blocks
-from ..model.layer_walk import Walk, held, run_layer
+from ..model.layer_walk import Call, Walk, held, run_layer
 from ..model.merge import MergedWeights
 from ..model.releases import BaseSource, QuantizedTensor
 from ..model.streaming import decoder_layers
@@ -44,6 +57,9 @@ from .held_scales import nearest
 # Coordinate-descent passes over every column after GPTQ (``descend``): each keeps improving the
 # layer's outputs a little less; it stops early once a pass moves nothing.
 DESCENT_PASSES = 4
+# Round each layer on the prepared model's inputs towards the merged model's outputs (the module's
+# docstring); False: on the merged model's inputs alone, as GPTQ does.
+PREPARED_INPUTS = True
 # A weight whose rounding kept less than this share of its change in the outputs is named in the report.
 NOT_KEPT = 0.5
 
@@ -114,7 +130,8 @@ class HeldGptq:
         theirs, and those rounded to nearest."""
         change = sum(k.change for k in self.kept.values())
         return {
-            "rounding": "by GPTQ on the release's block scales, then coordinate descent",
+            "rounding": "by GPTQ on the release's block scales, then coordinate descent towards the BF16 merged "
+            "model's outputs from the prepared model's inputs",
             "kept_in_outputs": 1 - sum(k.gptq_error for k in self.kept.values()) / change if change else None,
             "kept_in_outputs_nearest": 1 - sum(k.nearest_error for k in self.kept.values()) / change if change else None,
             "not_kept": {n: round(k.kept, 3) for n, k in sorted(self.kept.items()) if k.kept < threshold},
@@ -159,14 +176,46 @@ def targets(source: BaseSource, merged: MergedWeights, model: torch.nn.Module) -
     return by_layer, skipped
 
 
-class _LayerHessians:
-    """Forward pre-hooks on one decoder layer gathering the Hessians of ``targets``' inputs."""
+@dataclass
+class _Paired(_Input):
+    """The Hessian of one input in the prepared model (``X~^T X~``), and its product with how far the
+    merged model's input is from it (``X~^T (X - X~)``)."""
 
-    def __init__(self, model: torch.nn.Module, targets: list[Target], stride: int) -> None:
-        self.stride = stride
-        self.inputs: dict[tuple[str, int | None, bool], _Input] = {}
-        self._last: tuple[torch.Tensor, tuple[str, int | None, bool]] | None = None
-        self._alias: dict[tuple[str, int | None, bool], tuple[str, int | None, bool]] = {}
+    cross: torch.Tensor | None = None
+
+    def add_pair(self, prepared: torch.Tensor, merged: torch.Tensor) -> None:
+        """Add the rows of ``prepared`` (tokens by inputs) and the merged model's rows for the same tokens."""
+        if not prepared.shape[0]:
+            return
+        self.add(prepared, 1)
+        x = prepared.float()
+        if self.cross is None:
+            self.cross = torch.zeros(x.shape[1], x.shape[1], device=x.device)
+        self.cross.addmm_(x.T, merged.float() - x)
+
+
+Key = tuple[str, int | None, bool]
+
+
+class _LayerHessians:
+    """Forward pre-hooks on one decoder layer gathering the Hessians of ``targets``' inputs.
+
+    ``paired``: each batch runs the layer twice, the merged model's input first (its inputs to the
+    targets kept) and then the prepared model's (``prepared`` set), and the Hessians are
+    ``_Paired``: the prepared model's, with the merged model's inputs for the same tokens. A routed
+    expert takes the tokens the merged model's router sent it in both."""
+
+    def __init__(
+        self, model: torch.nn.Module, targets: list[Target], stride: int, paired: bool = False, probe: bool = False
+    ) -> None:
+        self.stride, self.paired, self.probe = stride, paired, probe
+        self.prepared = False  # the run in progress is the prepared model's
+        self.order: list[Key] = []  # probe: each input in the order the layer reads it, nothing gathered
+        self.inputs: dict[Key, _Input] = {}
+        self._kept: dict[Key, torch.Tensor] = {}  # the merged model's inputs of the batch in progress
+        self._routing: dict[str, torch.Tensor] = {}  # the merged model's router choices, same batch
+        self._last: tuple[torch.Tensor, Key] | None = None
+        self._alias: dict[Key, Key] = {}
         modules = dict(model.named_modules())
         self._handles = []
         plain = sorted({t.module for t in targets if t.expert is None})
@@ -185,12 +234,25 @@ class _LayerHessians:
     def hessian(self, target: Target) -> _Input | None:
         return self.inputs.get(self._alias.get(target.key, target.key))
 
+    def _take(self, key: Key, rows: torch.Tensor) -> None:
+        if self.probe:
+            if key not in self.order:
+                self.order.append(key)
+        elif not self.paired:
+            self.inputs.setdefault(key, _Input([key[0]])).add(rows, 1)
+        elif not self.prepared:
+            self._kept[key] = rows
+        else:
+            entry = self.inputs.setdefault(key, _Paired([key[0]]))
+            assert isinstance(entry, _Paired)
+            entry.add_pair(rows, self._kept.pop(key))
+
     def _linear(self, name: str, x: torch.Tensor) -> None:
         key = (name, None, False)
         if self._last is not None and self._last[0] is x:  # q/k/v, gate/up: one input, one Hessian
             self._alias[key] = self._last[1]
             return
-        self.inputs.setdefault(key, _Input([name])).add(x, self.stride)
+        self._take(key, x.detach().reshape(-1, x.shape[-1])[:: self.stride])
         self._last = (x, key)
 
     def _experts(self, name: str, module: Any, wanted: list[tuple[int, bool]], args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
@@ -198,20 +260,37 @@ class _LayerHessians:
         values = [*args, *(kwargs[k] for k in names if k in kwargs)]
         hidden, index = values[0], values[1]
         hidden = hidden.reshape(-1, hidden.shape[-1])
+        if self.paired:  # both runs take the tokens the merged model routed
+            index = self._routing.pop(name) if self.prepared else self._routing.setdefault(name, index)
         for expert in sorted({e for e, _ in wanted}):
             rows = (index.reshape(hidden.shape[0], -1) == expert).any(-1).nonzero().squeeze(-1)
             if not rows.numel():
                 continue
             x = hidden[rows]
             if (expert, False) in wanted:
-                self.inputs.setdefault((name, expert, False), _Input([name])).add(x, 1)
+                self._take((name, expert, False), x)
             if (expert, True) in wanted:
                 if hasattr(module, "gate_up_proj_bias"):  # gpt-oss: [inputs, outputs], biases, interleaved gate and up
                     inner = module._apply_gate(x @ module.gate_up_proj[expert] + module.gate_up_proj_bias[expert])
                 else:
                     gate, up = torch.nn.functional.linear(x, module.gate_up_proj[expert]).chunk(2, dim=-1)
                     inner = module.act_fn(gate) * up
-                self.inputs.setdefault((name, expert, True), _Input([name])).add(inner, 1)
+                self._take((name, expert, True), inner)
+
+    def pair(
+        self, layer: torch.nn.Module, hidden: list[torch.Tensor], calls: list[Call],
+        rounded: Callable[[], contextlib.AbstractContextManager[None]], batch: int,
+    ) -> None:
+        """The prepared model's input ``hidden[batch]`` through ``layer`` with the weights already
+        rounded in place (``rounded``), pairing its inputs to the targets with those the merged
+        model's run of the batch just kept."""
+        self.prepared = True
+        try:
+            with rounded():
+                run_layer(layer, hidden[batch], calls[batch])
+        finally:
+            self.prepared = False
+            self._last = None
 
     def remove(self) -> None:
         for handle in self._handles:
@@ -219,9 +298,10 @@ class _LayerHessians:
         self._last = None
 
 
-def _chunks(layer_targets: list[Target], budget: int) -> list[list[Target]]:
+def _chunks(layer_targets: list[Target], budget: int, matrices: int = 1) -> list[list[Target]]:
     """The layer's targets in passes of its inputs: as many routed experts a pass as their Hessians
-    fit in ``budget`` bytes (at least one), the dense weights with the first."""
+    (``matrices`` of them per input) fit in ``budget`` bytes (at least one), the dense weights with
+    the first."""
     dense = [t for t in layer_targets if t.expert is None]
     by_expert: dict[tuple[str, int | None], list[Target]] = {}
     for t in layer_targets:
@@ -231,7 +311,7 @@ def _chunks(layer_targets: list[Target], budget: int) -> list[list[Target]]:
     current: list[Target] = []
     used = 0
     for group in by_expert.values():
-        size = sum(t.columns**2 * 4 for t in group)
+        size = sum(t.columns**2 * 4 * matrices for t in group)
         if current and used + size > budget:
             chunks.append(current)
             current, used = [], 0
@@ -245,42 +325,74 @@ def _chunks(layer_targets: list[Target], budget: int) -> list[list[Target]]:
     return chunks
 
 
+def _stages(model: torch.nn.Module, layer: torch.nn.Module, chunk: list[Target], hidden: torch.Tensor, call: Call) -> list[list[Target]]:
+    """``chunk``'s targets in the order ``layer`` reads their inputs (a run of one batch tells), one
+    stage per input (q/k/v, then o, ...; a routed experts module's inputs, then their ``act(gate) *
+    up``): a stage's inputs in the prepared model come from the stages before it, rounded."""
+    probe = _LayerHessians(model, chunk, 1, probe=True)
+    try:
+        run_layer(layer, hidden, call)
+    finally:
+        probe.remove()
+    rank: dict[Key, int] = {}
+    for key in probe.order:
+        rank.setdefault(key if key[1] is None else (key[0], None, key[2]), len(rank))
+
+    def stage(t: Target) -> int:
+        key = probe._alias.get(t.key, t.key) if t.expert is None else (t.module, None, t.inner)
+        return rank.get(key, len(rank) + t.inner)  # an input batch one never reached: last
+
+    by_stage: dict[int, list[Target]] = {}
+    for t in chunk:
+        by_stage.setdefault(stage(t), []).append(t)
+    return [by_stage[k] for k in sorted(by_stage)]
+
+
 def round_release(
     model: torch.nn.Module, batches: list[tuple[torch.Tensor, torch.Tensor]], source: BaseSource, merged: MergedWeights,
     codes_dir: Path, damp: float, stride: int, report: Callable[[float], None],
     each_layer: Callable[[torch.nn.Module], None] | None = None,
 ) -> HeldGptq:
     """GPTQ with the release's scales held on every changed quantized weight of ``merged``'s model
-    (``model``: the BF16 merged model, streamed), walked over ``batches``; ``each_layer`` is handed
-    every decoder layer while its weights are in (validation's first round rides along)."""
+    (``model``: the BF16 merged model, streamed), walked over ``batches`` with the prepared model
+    beside it (``PREPARED_INPUTS``); ``each_layer`` is handed every decoder layer while its
+    weights are in, the merged model's (validation's first round rides along)."""
     by_layer, skipped = targets(source, merged, model)
     result = HeldGptq(codes_dir, nearest=skipped)
     codes_dir.mkdir(parents=True, exist_ok=True)
     walk = Walk(model, batches)
+    # The prepared model's hidden states, from the first layer the adapter changes (the same as the
+    # merged model's before it).
+    prepared: list[torch.Tensor] | None = None
     for i, layer in enumerate(walk.layers):
+        layer_targets = by_layer.get(i, [])
+        if prepared is None and layer_targets and PREPARED_INPUTS:
+            prepared = list(walk.hidden)
+        paired = prepared is not None and prepared[0] is not walk.hidden[0]
         with held(list(layer.modules())):
             codes: dict[str, torch.Tensor] = {}
+            values: list[tuple[Target, torch.Tensor]] = []  # the rounded weights, as the engine reads them
             # gpt-oss's fused expert tensors (release, merged, steps), read once a layer
             fused: dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
-            passes = _chunks(by_layer.get(i, []), expert_hessian_bytes()) or [[]]
+            passes = _chunks(layer_targets, expert_hessian_bytes(), 2 if paired else 1) or [[]]
             for n, chunk in enumerate(passes):
-                hessians = _LayerHessians(model, chunk, stride)
-                try:
-                    if n == len(passes) - 1:
-                        walk.layer(i, layer)
-                    else:  # one more pass of the layer's inputs for this chunk of experts
-                        for hidden, calls in zip(walk.hidden, walk.calls, strict=True):
-                            run_layer(layer, hidden, calls[i])
-                finally:
-                    hessians.remove()
-                for target in chunk:
-                    rounded = _round(target, hessians.hessian(target), source, merged, damp, result, fused)
-                    if target.sliced:
-                        shape = target.tensor.shape  # dense [experts, inputs, outputs]; codes by the stored rows
-                        codes.setdefault(target.tensor.name, torch.zeros(shape[0], shape[2], shape[1], dtype=torch.int8))
-                        codes[target.tensor.name][target.expert] = rounded.cpu()
-                    else:
-                        codes[target.tensor.name] = rounded
+                stages = _stages(model, layer, chunk, walk.hidden[0], walk.calls[0][i]) if paired and chunk else [chunk]
+                for s, stage in enumerate(stages):
+                    last = n == len(passes) - 1 and s == len(stages) - 1
+                    hessians = _gather(model, walk, i, stage, stride, last, prepared if paired else None, merged, values)
+                    for target in stage:
+                        rounded, dequantized = _round(target, hessians.hessian(target), source, merged, damp, result, fused)
+                        values.append((target, dequantized))
+                        if target.sliced:
+                            shape = target.tensor.shape  # dense [experts, inputs, outputs]; codes by the stored rows
+                            codes.setdefault(target.tensor.name, torch.zeros(shape[0], shape[2], shape[1], dtype=torch.int8))
+                            codes[target.tensor.name][target.expert] = rounded.cpu()
+                        else:
+                            codes[target.tensor.name] = rounded
+            if prepared is not None:  # the prepared model's states on through this layer, its weights rounded
+                with _weights(model, merged, values):
+                    for b, call in enumerate(walk.calls):
+                        prepared[b] = run_layer(layer, prepared[b], call[i])
             if each_layer is not None:
                 each_layer(layer)
         if codes:
@@ -289,14 +401,66 @@ def round_release(
     return result
 
 
+def _gather(
+    model: torch.nn.Module, walk: Walk, index: int, stage: list[Target], stride: int, last: bool,
+    prepared: list[torch.Tensor] | None, merged: MergedWeights, rounded: list[tuple[Target, torch.Tensor]],
+) -> _LayerHessians:
+    """The Hessians of ``stage``'s inputs: every batch through decoder layer ``index`` (the walk
+    moves past it where ``last``), and with ``prepared`` the prepared model's batch beside each, the
+    layer's weights ``rounded`` so far in place for it."""
+    layer = walk.layers[index]
+    calls = [batch[index] for batch in walk.calls]
+    hessians = _LayerHessians(model, stage, stride, paired=prepared is not None)
+    beside = None
+    if prepared is not None:
+        beside = functools.partial(hessians.pair, layer, prepared, calls, functools.partial(_weights, model, merged, list(rounded)))
+    try:
+        if last:
+            walk.layer(index, layer, beside)
+        else:  # one more pass of the layer's inputs, for a chunk of experts or a stage
+            for b, hidden in enumerate(walk.hidden):
+                run_layer(layer, hidden, calls[b])
+                if beside is not None:
+                    beside(b)
+    finally:
+        hessians.remove()
+    return hessians
+
+
+@contextlib.contextmanager
+def _weights(model: torch.nn.Module, merged: MergedWeights, values: list[tuple[Target, torch.Tensor]]) -> Iterator[None]:
+    """Inside, the model's tensors hold ``values`` (each target's weight by the stored rows, or its
+    expert's rows of a fused tensor) in place of the merged weights; put back on the way out."""
+    modules = dict(model.named_modules())
+    model_of = merged.names.stored_of()
+    saved: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+    try:
+        for target, value in values:
+            attr = model_of[target.tensor.name].rpartition(".")[2]
+            param = getattr(modules[target.module], attr)
+            saved.setdefault(id(param), (param, param.data.clone()))
+            part = merged.names.expert_part(target.tensor.name)
+            if target.sliced:  # gpt-oss: [experts, inputs, outputs]
+                param.data[target.expert] = value.T.to(param.dtype)
+            elif part is not None:
+                param.data[part[0], part[1]] = value.to(param.dtype)
+            else:
+                param.data.copy_(value.to(param.dtype))
+        yield
+    finally:
+        for param, data in saved.values():
+            param.data.copy_(data)
+
+
 def _round(
     target: Target, hessian: _Input | None, source: BaseSource, merged: MergedWeights, damp: float, result: HeldGptq,
     fused: dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
-) -> torch.Tensor:
-    """``target``'s E2M1 values ×2 (int8), rounded by GPTQ on the release's steps; to nearest where
-    its Hessian came from fewer tokens than its input width (GPTQ would fit the few it saw). An
-    expert of a fused tensor (``target.sliced``) is that expert's rows, the merged tensor read once
-    into ``fused``."""
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``target``'s E2M1 values ×2 (int8), rounded by GPTQ on the release's steps, and the weight they
+    make (float32, by the stored rows); to nearest where its Hessian came from fewer tokens than its
+    input width (GPTQ would fit the few it saw). With a ``_Paired`` Hessian the rounding aims at the
+    merged model's outputs from the prepared model's inputs. An expert of a fused tensor
+    (``target.sliced``) is that expert's rows, the merged tensor read once into ``fused``."""
     from modelopt.torch.quantization.utils.calib_utils import compute_hessian_inverse
 
     tensor = target.tensor
@@ -325,19 +489,34 @@ def _round(
     why = _why_not_gptq(hessian, weight.shape[-1], group)
     if why or hessian is None or hessian.hessian is None:
         result.nearest[name] = why
-        return (nearest(weight, steps) * 2).to(torch.int8)
+        values = nearest(weight, steps)
+        return (values * 2).to(torch.int8), scale_blocks(values, steps)
     h = hessian.hessian.to(weight.device) / hessian.tokens
+    goal = weight
+    if isinstance(hessian, _Paired) and hessian.cross is not None:
+        goal = weight + _towards_merged(weight, h, hessian.cross.to(weight.device) / hessian.tokens, damp)
+    # GPTQ from the merged weight, which sits next to the grid (rounding the goal from scratch, off
+    # the grid everywhere, costs more than the goal gains); the descent then goes for the goal,
+    # never making its objective worse.
     rounded = weight.clone()
     gptq_update(rounded, compute_hessian_inverse(h, weight, damp), steps, group, BLOCK)
-    descend(rounded, weight, h, steps, DESCENT_PASSES)
+    descend(rounded, goal, h, steps, DESCENT_PASSES)
     values = _values(rounded, steps)
     base = base.to(weight.device)
     near = scale_blocks(nearest(weight, steps), steps)
     change = _energy(weight - base, h)
-    result.kept[name] = Kept(
-        change, _energy(scale_blocks(values, steps) - weight, h), _energy(near - weight, h), hessian.tokens
-    )
-    return (values * 2).round().to(torch.int8)
+    dequantized = scale_blocks(values, steps)
+    result.kept[name] = Kept(change, _energy(dequantized - goal, h), _energy(near - goal, h), hessian.tokens)
+    return (values * 2).round().to(torch.int8), dequantized
+
+
+def _towards_merged(weight: torch.Tensor, hessian: torch.Tensor, cross: torch.Tensor, damp: float) -> torch.Tensor:
+    """What to add to ``weight`` so that, on the prepared model's inputs (``hessian``: ``X~^T X~``),
+    it gives the merged model's outputs from its own (``cross``: ``X~^T (X - X~)``), as nearly as
+    least squares can: ``W D^T X~ (X~^T X~)^-1``, damped as GPTQ damps its Hessian."""
+    h = hessian.clone()
+    h.diagonal().add_(damp * h.diagonal().mean())
+    return torch.linalg.solve(h, cross @ weight.T).T
 
 
 def _why_not_gptq(hessian: _Input | None, columns: int, group: int) -> str:

@@ -114,13 +114,16 @@ class Walk:
         self.done = 0  # layers run so far
 
     @torch.no_grad()
-    def layer(self, index: int, layer: torch.nn.Module) -> None:
-        """Every batch through decoder layer ``index`` (the next one), its weights in place."""
+    def layer(self, index: int, layer: torch.nn.Module, after: Callable[[int], None] | None = None) -> None:
+        """Every batch through decoder layer ``index`` (the next one), its weights in place;
+        ``after(b)`` once batch ``b`` went through (another model's batch beside it)."""
         assert index == self.done, f"layer {index} walked after layer {self.done - 1}"
         for b, calls in enumerate(self.calls):
             if self.recording is not None:
                 self.recording(b)
             self.hidden[b] = run_layer(layer, self.hidden[b], calls[index])
+            if after is not None:
+                after(b)
         self.done += 1
 
     @torch.no_grad()

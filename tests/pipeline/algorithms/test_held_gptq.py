@@ -57,3 +57,41 @@ def test_descent_never_makes_the_outputs_worse_and_leaves_a_weight_already_on_th
     unchanged = base.clone()
     descend(unchanged, base, h, steps, passes=2)
     assert torch.equal(unchanged, base)
+
+
+def test_rounding_on_the_prepared_models_inputs_aims_at_the_merged_models_outputs() -> None:
+    """The layers before left the inputs off (``X~ = X - D``): the goal ``W + W D^T X~ H~^-1`` gives
+    on ``X~`` what ``W`` gives on ``X``, as nearly as least squares can, and the weight rounded
+    towards it on ``X~``'s Hessian (hooks pairing each token's two inputs) is closer to the merged
+    outputs than the one rounded towards ``W``."""
+    from modelopt.torch.quantization.utils.calib_utils import compute_hessian_inverse
+
+    from fp4prep.pipeline.algorithms.held_gptq import _Paired, _towards_merged
+
+    base, merged, steps, _ = _problem()
+    generator = torch.Generator().manual_seed(1)
+    x = torch.randn(4096, merged.shape[1], generator=generator)
+    # Mostly a systematic distortion (what a layer's rounded weights do to every token), a little noise.
+    distortion = torch.eye(x.shape[1]) + 0.1 * torch.randn(x.shape[1], x.shape[1], generator=generator) / x.shape[1] ** 0.5
+    prepared = x @ distortion + 0.01 * torch.randn(x.shape, generator=generator)
+    pair = _Paired()
+    for rows in range(0, x.shape[0], 1024):  # batch by batch, as the walk hands them over
+        pair.add_pair(prepared[rows : rows + 1024], x[rows : rows + 1024])
+    assert pair.hessian is not None and pair.cross is not None and pair.tokens == x.shape[0]
+    h, cross = pair.hessian / pair.tokens, pair.cross / pair.tokens
+    goal = merged + _towards_merged(merged, h, cross, damp=1e-6)
+    best = torch.linalg.lstsq(prepared, x @ merged.T).solution.T
+
+    def error(q: torch.Tensor) -> float:
+        return float(((prepared @ q.T - x @ merged.T) ** 2).mean())
+
+    assert torch.allclose(goal, best, atol=1e-3)
+    assert error(goal) < 0.1 * error(merged)
+    rounded = {}
+    for name, aim in (("merged", merged), ("goal", goal)):
+        q = aim.clone()
+        gptq_update(q, compute_hessian_inverse(h, aim, 0.01), steps, 32, BLOCK)
+        descend(q, aim, h, steps, passes=4)
+        assert _on_grid(q, steps)
+        rounded[name] = q
+    assert error(rounded["goal"]) < 0.7 * error(rounded["merged"])

@@ -189,10 +189,45 @@ def test_a_model_prepared_from_a_release_keeps_its_format_and_every_tensor_the_a
     assert result.release is not None
     counts = {k: result.release[k] for k in ("copied", "requantized", "rewritten")}
     assert counts == {"copied": len(theirs) - len(layers), "requantized": len(layers), "rewritten": 0}
-    assert result.release["rounding"] == "by GPTQ on the release's block scales, then coordinate descent" and result.release["rounded_to_nearest"] == {}
+    assert result.release["rounding"].startswith("by GPTQ on the release's block scales, then coordinate descent")
+    assert result.release["rounded_to_nearest"] == {}
     assert any("read back bit for bit as written" in check for check in result.checks)
     card = (out / "README.md").read_text()
     assert f"{len(theirs) - len(layers)} tensors copied from the release" in card
+
+
+def test_a_layer_is_rounded_stage_by_stage_in_the_order_it_reads_its_inputs_and_its_weights_put_back(
+    releases: dict[str, Path], tmp_path: Path
+) -> None:
+    from fp4prep.pipeline import device
+    from fp4prep.pipeline.algorithms import held_gptq
+    from fp4prep.pipeline.model import layer_walk, streaming
+    from fp4prep.pipeline.model.merge import MergedWeights, load_adapter
+    from fp4prep.pipeline.model.safetensors import read_config
+
+    release = releases["ct-mxfp4"]
+    source = BaseSource(release)
+    compute = device.resolve("cpu")
+    adapter = load_adapter(save_adapter(releases["bf16"], tmp_path / "adapter", targets=TARGETS))
+    merged = MergedWeights(source, adapter, compute.dtype, compute.device)
+    model = streaming.build(read_config(release), merged, compute, release)
+    by_layer, skipped = held_gptq.targets(source, merged, model)
+    assert skipped == {}
+    ids = torch.randint(0, 100, (2, 24))
+    walk = layer_walk.Walk(model, [(ids, torch.ones_like(ids))])
+    layer = walk.layers[0]
+    with layer_walk.held(list(layer.modules())):
+        stages = held_gptq._stages(model, layer, list(reversed(by_layer[0])), walk.hidden[0], walk.calls[0][0])
+        assert [sorted(t.module.rsplit(".", 1)[1] for t in stage) for stage in stages] == [
+            ["k_proj", "q_proj", "v_proj"], ["o_proj"], ["gate_proj", "up_proj"], ["down_proj"]
+        ]
+        before = layer_walk.run_layer(layer, walk.hidden[0], walk.calls[0][0])
+        q = stages[0][0]
+        zero = torch.zeros(model.get_submodule(q.module).weight.shape)
+        with held_gptq._weights(model, merged, [(q, zero)]):
+            assert not model.get_submodule(q.module).weight.any()
+            assert not torch.equal(layer_walk.run_layer(layer, walk.hidden[0], walk.calls[0][0]), before)
+        assert torch.equal(layer_walk.run_layer(layer, walk.hidden[0], walk.calls[0][0]), before)
 
 
 def test_a_release_is_prepared_in_its_own_format_only(releases: dict[str, Path], tmp_path: Path) -> None:
