@@ -28,8 +28,9 @@ weights in place, as transformers' experts compute it). One layer's expert Hessi
 chunks that fit ``gptq.expert_hessian_bytes()``, one more pass of the layer's inputs per chunk.
 
 What each changed weight kept is measured where its Hessian is: the share of the change's effect on
-the outputs (``||Δ X||²``) that the rounding kept, ``1 - ||(Q - W) X||² / ||Δ X||²``; 0 is the base's
-outputs, as rounding to nearest mostly gives, 1 the merged weight's. The codes are kept on disk, one
+the outputs that the rounding kept, ``1 - ||(Q - W') X~||² / ||(B - W') X~||²`` with ``W'`` the goal
+and ``B`` the release's weight (``1 - ||(Q - W) X||² / ||Δ X||²`` where no layer before drifted);
+0 is the base's outputs, as rounding to nearest mostly gives, 1 the goal's. The codes are kept on disk, one
 file per layer, for the export to write.
 """
 
@@ -91,8 +92,9 @@ class Target:
 
 @dataclass
 class Kept:
-    """A changed weight's change in the outputs (``||Δ X||²`` per token), and what is left of it as
-    error after GPTQ's rounding and after rounding to nearest (``||(Q - W) X||²``)."""
+    """What separates a changed weight's base from its goal in the outputs (``||(B - W') X~||²`` per
+    token), and what is left of it after GPTQ's rounding and after rounding to nearest
+    (``||(Q - W') X~||²``)."""
 
     change: float
     gptq_error: float
@@ -504,7 +506,7 @@ def _round(
     values = _values(rounded, steps)
     base = base.to(weight.device)
     near = scale_blocks(nearest(weight, steps), steps)
-    change = _energy(weight - base, h)
+    change = _energy(goal - base, h)  # what the base's weight leaves of the goal (the change, where no layer before drifted)
     dequantized = scale_blocks(values, steps)
     result.kept[name] = Kept(change, _energy(dequantized - goal, h), _energy(near - goal, h), hessian.tokens)
     return (values * 2).round().to(torch.int8), dequantized
