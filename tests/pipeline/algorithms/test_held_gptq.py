@@ -66,7 +66,8 @@ def test_rounding_on_the_prepared_models_inputs_aims_at_the_merged_models_output
     outputs than the one rounded towards ``W``."""
     from modelopt.torch.quantization.utils.calib_utils import compute_hessian_inverse
 
-    from fp4prep.pipeline.algorithms.held_gptq import _Paired, _towards_merged
+    from fp4prep.pipeline.algorithms.held_gptq import _towards_merged
+    from fp4prep.pipeline.algorithms.held_inputs import Paired
 
     base, merged, steps, _ = _problem()
     generator = torch.Generator().manual_seed(1)
@@ -74,7 +75,7 @@ def test_rounding_on_the_prepared_models_inputs_aims_at_the_merged_models_output
     # Mostly a systematic distortion (what a layer's rounded weights do to every token), a little noise.
     distortion = torch.eye(x.shape[1]) + 0.1 * torch.randn(x.shape[1], x.shape[1], generator=generator) / x.shape[1] ** 0.5
     prepared = x @ distortion + 0.01 * torch.randn(x.shape, generator=generator)
-    pair = _Paired()
+    pair = Paired()
     for rows in range(0, x.shape[0], 1024):  # batch by batch, as the walk hands them over
         pair.add_pair(prepared[rows : rows + 1024], x[rows : rows + 1024])
     assert pair.hessian is not None and pair.cross is not None and pair.tokens == x.shape[0]

@@ -200,7 +200,7 @@ def test_a_layer_is_rounded_stage_by_stage_in_the_order_it_reads_its_inputs_and_
     releases: dict[str, Path], tmp_path: Path
 ) -> None:
     from fp4prep.pipeline import device
-    from fp4prep.pipeline.algorithms import held_gptq
+    from fp4prep.pipeline.algorithms import held_gptq, held_inputs
     from fp4prep.pipeline.model import layer_walk, streaming
     from fp4prep.pipeline.model.merge import MergedWeights, load_adapter
     from fp4prep.pipeline.model.safetensors import read_config
@@ -217,14 +217,14 @@ def test_a_layer_is_rounded_stage_by_stage_in_the_order_it_reads_its_inputs_and_
     walk = layer_walk.Walk(model, [(ids, torch.ones_like(ids))])
     layer = walk.layers[0]
     with layer_walk.held(list(layer.modules())):
-        stages = held_gptq._stages(model, layer, list(reversed(by_layer[0])), walk.hidden[0], walk.calls[0][0])
+        stages = held_inputs.stages(model, layer, list(reversed(by_layer[0])), walk.hidden[0], walk.calls[0][0])
         assert [sorted(t.module.rsplit(".", 1)[1] for t in stage) for stage in stages] == [
             ["k_proj", "q_proj", "v_proj"], ["o_proj"], ["gate_proj", "up_proj"], ["down_proj"]
         ]
         before = layer_walk.run_layer(layer, walk.hidden[0], walk.calls[0][0])
         q = stages[0][0]
         zero = torch.zeros(model.get_submodule(q.module).weight.shape)
-        with held_gptq._weights(model, merged, [(q, zero)]):
+        with held_inputs.rounded_in(model, merged, [(q, zero)]):
             assert not model.get_submodule(q.module).weight.any()
             assert not torch.equal(layer_walk.run_layer(layer, walk.hidden[0], walk.calls[0][0]), before)
         assert torch.equal(layer_walk.run_layer(layer, walk.hidden[0], walk.calls[0][0]), before)
