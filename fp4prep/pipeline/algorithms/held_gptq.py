@@ -51,7 +51,7 @@ from ..model.merge import MergedWeights
 from ..model.releases import BaseSource, QuantizedTensor
 from ..model.streaming import decoder_layers
 from .gptq import BLOCK, CHUNK, _Input, expert_hessian_bytes, gptq_update
-from .held_inputs import Paired, Target, chunks, gather, rounded_in
+from .held_inputs import Paired, Placed, Target, chunks, gather, placed, rounded_in
 from .held_inputs import stages as staged
 from .held_scales import nearest
 
@@ -166,6 +166,7 @@ def round_release(
     result = HeldGptq(codes_dir, nearest=skipped)
     codes_dir.mkdir(parents=True, exist_ok=True)
     walk = Walk(model, batches)
+    model_of = merged.names.stored_of()
     # The prepared model's hidden states, from the first layer the adapter changes (the same as the
     # merged model's before it).
     prepared: list[torch.Tensor] | None = None
@@ -176,7 +177,7 @@ def round_release(
         paired = prepared is not None and prepared[0] is not walk.hidden[0]
         with held(list(layer.modules())):
             codes: dict[str, torch.Tensor] = {}
-            values: list[tuple[Target, torch.Tensor]] = []  # the rounded weights, as the engine reads them
+            values: list[Placed] = []  # the rounded weights, as the engine reads them, where the model holds them
             # gpt-oss's fused expert tensors (release, merged, steps), read once a layer
             fused: dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
             passes = chunks(layer_targets, expert_hessian_bytes(), 2 if paired else 1) or [[]]
@@ -184,10 +185,11 @@ def round_release(
                 stages = staged(model, layer, chunk, walk.hidden[0], walk.calls[0][i]) if paired and chunk else [chunk]
                 for s, stage in enumerate(stages):
                     last = n == len(passes) - 1 and s == len(stages) - 1
-                    hessians = gather(model, walk, i, stage, stride, last, prepared if paired else None, merged, values)
+                    hessians = gather(model, walk, i, stage, stride, last, prepared if paired else None, values)
                     for target in stage:
                         rounded, dequantized = _round(target, hessians.hessian(target), source, merged, damp, result, fused)
-                        values.append((target, dequantized))
+                        if prepared is not None:
+                            values.append(placed(model, merged, model_of, target, dequantized))
                         if target.sliced:
                             shape = target.tensor.shape  # dense [experts, inputs, outputs]; codes by the stored rows
                             codes.setdefault(target.tensor.name, torch.zeros(shape[0], shape[2], shape[1], dtype=torch.int8))
@@ -195,7 +197,7 @@ def round_release(
                         else:
                             codes[target.tensor.name] = rounded
             if prepared is not None:  # the prepared model's states on through this layer, its weights rounded
-                with rounded_in(model, merged, values):
+                with rounded_in(values):
                     for b, call in enumerate(walk.calls):
                         prepared[b] = run_layer(layer, prepared[b], call[i])
             if each_layer is not None:

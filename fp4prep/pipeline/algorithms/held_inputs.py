@@ -30,6 +30,9 @@ from ..model.releases import QuantizedTensor
 from .gptq import _Input
 
 Key = tuple[str, int | None, bool]  # (module, expert, reads act(gate) * up)
+# A rounded weight where the model holds it: the tensor, the index there (None: all of it), the value.
+Placed = tuple[torch.Tensor, Any, torch.Tensor]
+
 
 @dataclass(frozen=True)
 class Target:
@@ -41,7 +44,7 @@ class Target:
     inner: bool  # it reads the expert's ``act(gate) * up`` (a down projection), not the module's input
 
     @property
-    def key(self) -> tuple[str, int | None, bool]:
+    def key(self) -> Key:
         return self.module, self.expert, self.inner
 
     @property
@@ -227,7 +230,7 @@ def stages(model: torch.nn.Module, layer: torch.nn.Module, chunk: list[Target], 
 
 def gather(
     model: torch.nn.Module, walk: Walk, index: int, stage: list[Target], stride: int, last: bool,
-    prepared: list[torch.Tensor] | None, merged: MergedWeights, rounded: list[tuple[Target, torch.Tensor]],
+    prepared: list[torch.Tensor] | None, rounded: list[Placed],
 ) -> LayerHessians:
     """The Hessians of ``stage``'s inputs: every batch through decoder layer ``index`` (the walk
     moves past it where ``last``), and with ``prepared`` the prepared model's batch beside each, the
@@ -237,7 +240,7 @@ def gather(
     hessians = LayerHessians(model, stage, stride, paired=prepared is not None)
     beside = None
     if prepared is not None:
-        beside = functools.partial(hessians.pair, layer, prepared, calls, functools.partial(rounded_in, model, merged, list(rounded)))
+        beside = functools.partial(hessians.pair, layer, prepared, calls, functools.partial(rounded_in, list(rounded)))
     try:
         if last:
             walk.layer(index, layer, beside)
@@ -251,25 +254,31 @@ def gather(
     return hessians
 
 
+def placed(model: torch.nn.Module, merged: MergedWeights, model_of: dict[str, str], target: Target, value: torch.Tensor) -> Placed:
+    """Where the model holds ``target``'s weight (``model_of``: ``merged.names.stored_of()``), and
+    ``value`` (by the stored rows) as it goes there: the whole tensor, its expert's rows of a fused
+    tensor, or gpt-oss's ``[experts, inputs, outputs]``."""
+    attr = model_of[target.tensor.name].rpartition(".")[2]
+    param = getattr(model.get_submodule(target.module), attr)
+    part = merged.names.expert_part(target.tensor.name)
+    if target.sliced:
+        return param, target.expert, value.T.to(param.dtype)
+    if part is not None:
+        return param, part, value.to(param.dtype)
+    return param, None, value.to(param.dtype)
+
+
 @contextlib.contextmanager
-def rounded_in(model: torch.nn.Module, merged: MergedWeights, values: list[tuple[Target, torch.Tensor]]) -> Iterator[None]:
-    """Inside, the model's tensors hold ``values`` (each target's weight by the stored rows, or its
-    expert's rows of a fused tensor) in place of the merged weights; put back on the way out."""
-    modules = dict(model.named_modules())
-    model_of = merged.names.stored_of()
+def rounded_in(values: list[Placed]) -> Iterator[None]:
+    """Inside, the model's tensors hold ``values`` in place of the merged weights; put back on the way out."""
     saved: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
     try:
-        for target, value in values:
-            attr = model_of[target.tensor.name].rpartition(".")[2]
-            param = getattr(modules[target.module], attr)
+        for param, index, value in values:
             saved.setdefault(id(param), (param, param.data.clone()))
-            part = merged.names.expert_part(target.tensor.name)
-            if target.sliced:  # gpt-oss: [experts, inputs, outputs]
-                param.data[target.expert] = value.T.to(param.dtype)
-            elif part is not None:
-                param.data[part[0], part[1]] = value.to(param.dtype)
+            if index is None:
+                param.data.copy_(value)
             else:
-                param.data.copy_(value.to(param.dtype))
+                param.data[index] = value
         yield
     finally:
         for param, data in saved.values():

@@ -224,7 +224,7 @@ def test_a_layer_is_rounded_stage_by_stage_in_the_order_it_reads_its_inputs_and_
         before = layer_walk.run_layer(layer, walk.hidden[0], walk.calls[0][0])
         q = stages[0][0]
         zero = torch.zeros(model.get_submodule(q.module).weight.shape)
-        with held_inputs.rounded_in(model, merged, [(q, zero)]):
+        with held_inputs.rounded_in([held_inputs.placed(model, merged, merged.names.stored_of(), q, zero)]):
             assert not model.get_submodule(q.module).weight.any()
             assert not torch.equal(layer_walk.run_layer(layer, walk.hidden[0], walk.calls[0][0]), before)
         assert torch.equal(layer_walk.run_layer(layer, walk.hidden[0], walk.calls[0][0]), before)
