@@ -20,6 +20,7 @@ plus the adapter), on the demo's held-back conversations and the adapter's task 
   model's outputs.
 
     .venv/bin/python benchmarks/fp4_release.py [--base dense moe] [--task sentiment dates] [--only peers held-rtn]
+        [--parity-prompts 60]
 
 The releases and adapters are built on first use (``fp4prep.demo.release``: the adapter is trained on
 the release, which takes minutes). For the MoE release the peers' row also quantizes attention, which
@@ -46,7 +47,7 @@ DESCENT_PASSES = 4  # the job's (held_gptq.DESCENT_PASSES)
 CANDIDATES = ("peers", "scratch", "held-rtn", "held-gptq", "merged-inputs", "recipe")
 
 
-def run_candidate(candidate: str, assets: Any, out: Path) -> dict[str, Any]:
+def run_candidate(candidate: str, assets: Any, out: Path, parity_prompts: int = 60) -> dict[str, Any]:
     from fp4prep.pipeline import PipelineConfig, run
     from fp4prep.pipeline.algorithms import held_gptq
     from fp4prep.pipeline.recipes import recipe_for
@@ -61,7 +62,7 @@ def run_candidate(candidate: str, assets: Any, out: Path) -> dict[str, Any]:
     result = run(PipelineConfig(
         base_dir=base, output_dir=out, quantization="mxfp4", adapter_dir=assets.adapter_dir,
         calibration_file=assets.calibration_file, recipe=recipe, quality_gate=False,
-        calibration_tokens=8192, user_token_minimum=4096,
+        calibration_tokens=8192, user_token_minimum=4096, parity_prompts=parity_prompts,
     ))
     p = result.parity
     return {
@@ -94,6 +95,8 @@ def main() -> None:
     parser.add_argument("--base", nargs="+", choices=["dense", "moe"], default=["dense", "moe"])
     parser.add_argument("--task", nargs="+", choices=sorted(TASKS), default=["sentiment", "dates"])
     parser.add_argument("--only", nargs="+", choices=CANDIDATES, default=list(CANDIDATES))
+    parser.add_argument("--parity-prompts", type=int, default=60,
+                        help="held-back conversations measured (a job's default is 16; 60 is every one the demo holds back)")
     args = parser.parse_args()
     rows = []
     print("| base | adapter | candidate | change retained | kept in outputs | KL on answers | top-1 on continuations | identical greedy | task (BF16) | copied / requantized | base read | time |")
@@ -103,7 +106,7 @@ def main() -> None:
             assets = release.build(base, TASKS[task])
             for candidate in args.only:
                 with tempfile.TemporaryDirectory(prefix="fp4prep-release-") as tmp:
-                    row = {"base": base, "adapter": task, **run_candidate(candidate, assets, Path(tmp) / "out")}
+                    row = {"base": base, "adapter": task, **run_candidate(candidate, assets, Path(tmp) / "out", args.parity_prompts)}
                 rows.append(row)
                 kept = row["release"]
                 copies = f"{kept['copied']} / {kept['requantized']}" if kept else "all requantized"

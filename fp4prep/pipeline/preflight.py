@@ -19,12 +19,13 @@ from .model.merge import MergedWeights
 from .recipes import Recipe
 
 
-def gptq_hessian_bytes(model: Any) -> int:
+def gptq_hessian_bytes(model: Any, matrices: int = 1) -> int:
     """The most GPTQ's Hessians take at once in one decoder layer (fp32): one ``in``² matrix per
     quantized Linear module (an upper bound: projections reading one input share theirs), plus the
     routed experts' of one chunk, ``min(experts, max(1, budget // per_expert)) × per_expert`` with
     ``per_expert = 4 × (hidden² + intermediate²)`` per expert module and ``budget`` the expert
-    Hessian budget (``FP4PREP_EXPERT_HESSIAN_MIB``)."""
+    Hessian budget (``FP4PREP_EXPERT_HESSIAN_MIB``). ``matrices`` per input: 2 for a release's
+    rounding, which keeps each input's cross term with the merged model's inputs beside its Hessian."""
     from .algorithms.gptq import expert_hessian_bytes, expert_hessian_size, experts_per_chunk
 
     budget = expert_hessian_bytes()
@@ -34,11 +35,11 @@ def gptq_hessian_bytes(model: Any) -> int:
         total = 0
         for module in layer.modules():
             if isinstance(module, torch.nn.Linear):
-                total += 4 * module.in_features**2
+                total += 4 * module.in_features**2 * matrices
             gate_up, down = getattr(module, "gate_up_proj", None), getattr(module, "down_proj", None)
             if isinstance(gate_up, torch.Tensor) and isinstance(down, torch.Tensor) and gate_up.dim() == down.dim() == 3:
                 experts, hidden, intermediate = gate_up.shape[0], gate_up.shape[-1], down.shape[-1]
-                per_expert = expert_hessian_size(hidden, intermediate)
+                per_expert = expert_hessian_size(hidden, intermediate) * matrices
                 total += min(experts, experts_per_chunk(per_expert, budget)) * per_expert
         most = max(most, total)
     return most
@@ -81,16 +82,19 @@ def check_memory(
     calibration_tokens: int,
     recipe: Recipe | None = None,
     sequence_length: int = 512,
+    release: bool = False,
 ) -> int:
-    """Refuse when one decoder layer's calibration can't fit the device; returns what it needs there."""
+    """Refuse when one decoder layer's calibration can't fit the device; returns what it needs there.
+    For a ``release`` base the rounding walks the prepared model beside the merged one: two more
+    layers' worth of states (its inputs and outputs), and a cross term beside each Hessian."""
     layers = streaming.layer_bytes(model, weights, compute.dtype)
     largest = max(layers)
     resident = streaming.resident_bytes(model, compute.dtype)
     hidden = int(model.config.hidden_size)
     size = torch.empty(0, dtype=compute.dtype).element_size()
     # ModelOpt keeps one layer's captured inputs and the next layer's while it calibrates.
-    activations = 3 * calibration_tokens * hidden * size
-    hessians = gptq_hessian_bytes(model) if recipe is not None and recipe.gptq else 0
+    activations = (5 if release else 3) * calibration_tokens * hidden * size
+    hessians = gptq_hessian_bytes(model, 2 if release else 1) if recipe is not None and recipe.gptq else 0
     searched = (
         awq_input_bytes(model, calibration_tokens, size, recipe.awq.scored_tokens, sequence_length)
         if recipe is not None and recipe.awq else 0
@@ -104,7 +108,7 @@ def check_memory(
             f"it needs about {format_bytes(need)} there (its largest layer is {format_bytes(largest)} in "
             f"{str(compute.dtype).removeprefix('torch.')}, held twice while it is quantized; the "
             f"embeddings {format_bytes(resident)}; calibration activations {format_bytes(activations)}"
-            + (f"; GPTQ's Hessians {format_bytes(hessians)}" if hessians else "")
+            + (f"; {'the release rounding' if release else 'GPTQ'}'s Hessians {format_bytes(hessians)}" if hessians else "")
             + (f"; the AWQ search's inputs {format_bytes(searched)}" if searched else "")
             + f"), and {format_bytes(free)} is free. Run it on a device with more memory"
         )

@@ -203,7 +203,9 @@ def _merge(state: Run) -> Merged:
         tokenizer = _tokenizer(config.base_dir)
         model = streaming.skeleton(base_config, weights, compute, config.base_dir)
         tokens = _total_tokens(config)
-        calibration_bytes = preflight.check_memory(model, weights, compute, tokens, state.recipe, config.sequence_length)
+        calibration_bytes = preflight.check_memory(
+            model, weights, compute, tokens, state.recipe, config.sequence_length, release=source.release is not None
+        )
         hidden = int(model.config.hidden_size)
         preflight.check_disk(weights, state.recipe, state.work.root, config.output_dir, hidden, tokens)
         streaming.attach(model, weights, compute)

@@ -185,7 +185,7 @@ def test_the_experts_are_gathered_in_chunks_that_fit_the_budget() -> None:
     assert gptq.expert_chunks(block, 1) == [range(e, e + 1) for e in range(4)]
 
 
-def test_the_memory_check_counts_one_chunk_of_expert_hessians(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_memory_check_counts_one_chunk_of_expert_hessians_and_a_releases_cross_terms(monkeypatch: pytest.MonkeyPatch) -> None:
     from fp4prep.pipeline.model.experts import meta_model
     from fp4prep.pipeline.preflight import gptq_hessian_bytes
     from tests.tiny import tiny_config
@@ -194,5 +194,8 @@ def test_the_memory_check_counts_one_chunk_of_expert_hessians(monkeypatch: pytes
     linear = 4 * 4 * 64**2  # q, k, v, o: 64 inputs each
     per_expert = 4 * (64**2 + 32**2)
     assert gptq_hessian_bytes(model) == linear + 4 * per_expert
+    # A release's rounding keeps a cross term beside each Hessian: twice the matrices per input.
+    assert gptq_hessian_bytes(model, 2) == 2 * linear + 4 * 2 * per_expert
     monkeypatch.setenv("FP4PREP_EXPERT_HESSIAN_MIB", "0")
     assert gptq_hessian_bytes(model) == linear + per_expert
+    assert gptq_hessian_bytes(model, 2) == 2 * linear + 2 * per_expert
