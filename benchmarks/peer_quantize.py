@@ -33,13 +33,19 @@ def _llmcompressor(model, tokenizer, method: str, scheme: str, sequences: list[l
     from llmcompressor.modifiers.quantization import QuantizationModifier
     from llmcompressor.modifiers.transform.awq import AWQModifier
 
+    if method == "awq-gptq":
+        # Its AWQ pins cached activations for faster copies to a GPU (``awq/base.py``: ``cache.pin_memory``),
+        # unconditionally, and pinning needs an accelerator: on a CPU the copy is skipped, nothing else changes.
+        from llmcompressor.pipelines.cache import IntermediatesCache
+
+        IntermediatesCache._pin_intermediate = classmethod(lambda cls, intermediate: None)
     data = Dataset.from_dict({"input_ids": sequences, "attention_mask": [[1] * len(s) for s in sequences]})
     if method == "rtn":
         recipe: object = QuantizationModifier(targets="Linear", scheme=scheme, ignore=IGNORE)
     elif method == "gptq":
         recipe = GPTQModifier(targets="Linear", scheme=scheme, ignore=IGNORE)
     elif method == "awq-gptq":
-        recipe = [AWQModifier(ignore=IGNORE), GPTQModifier(targets="Linear", scheme=scheme, ignore=IGNORE)]
+        recipe = [AWQModifier(), GPTQModifier(targets="Linear", scheme=scheme, ignore=IGNORE)]
     else:
         raise SystemExit(f"llmcompressor: unknown method {method!r} (rtn, gptq, awq-gptq)")
     oneshot(
