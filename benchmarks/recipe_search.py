@@ -49,8 +49,10 @@ CANDIDATES: dict[str, tuple[str, list[tuple[str, dict[str, Any]]]]] = {
     "nvfp4 AWQ search (alpha step 0.5)": ("nvfp4", [(AWQ, {"alpha_step": 0.5})]),
     "nvfp4 GPTQ alone (Hessians from every 2nd token)": ("nvfp4", [(GPTQ, {"hessian_stride": 2})]),
     # The AWQ search, then GPTQ on the folded weights against static scales (algorithms/gptq.py).
-    "nvfp4 AWQ (alpha step 0.5) + GPTQ (Hessians from every 2nd token): the recipe": (
+    "nvfp4 AWQ (alpha step 0.5) + GPTQ (Hessians from every 2nd token)": (
         "nvfp4", [(AWQ, {"alpha_step": 0.5}), (GPTQ, {"hessian_stride": 2})]),
+    "nvfp4 AWQ (alpha step 0.5) + GPTQ (Hessians from every 2nd token, activation order): the recipe": (
+        "nvfp4", [(AWQ, {"alpha_step": 0.5}), (GPTQ, {"hessian_stride": 2, "activation_order": True})]),
     # The recipe with the search on routed experts too (expert_awq.py; the recipe leaves them at 1).
     "nvfp4 AWQ (alpha step 0.5, routed experts searched too) + GPTQ (Hessians from every 2nd token)": (
         "nvfp4", [(AWQ, {"alpha_step": 0.5, "routed_experts": True}), (GPTQ, {"hessian_stride": 2})]),
@@ -63,7 +65,9 @@ CANDIDATES: dict[str, tuple[str, list[tuple[str, dict[str, Any]]]]] = {
     "mxfp4 max (default)": ("mxfp4", []),
     "mxfp4 AWQ search (alpha step 0.25)": ("mxfp4", [(AWQ, {"alpha_step": 0.25})]),
     # MXFP4's scales are each block's own power of two, which GPTQ's rounding keeps (gptq.py).
-    "mxfp4 GPTQ (Hessians from every 2nd token): the recipe": ("mxfp4", [(GPTQ, {"hessian_stride": 2})]),
+    "mxfp4 GPTQ (Hessians from every 2nd token)": ("mxfp4", [(GPTQ, {"hessian_stride": 2})]),
+    "mxfp4 GPTQ (Hessians from every 2nd token, activation order): the recipe": (
+        "mxfp4", [(GPTQ, {"hessian_stride": 2, "activation_order": True})]),
     "mxfp4 AWQ (alpha step 0.5) + GPTQ (Hessians from every 2nd token)": (
         "mxfp4", [(AWQ, {"alpha_step": 0.5}), (GPTQ, {"hessian_stride": 2})]),
 }

@@ -192,7 +192,7 @@ class _ExpertSlice:
 
 
 @torch.no_grad()
-def quantize_experts(hessians: ExpertHessians, damp: float) -> dict[str, list[int]]:
+def quantize_experts(hessians: ExpertHessians, damp: float, order: bool = False) -> dict[str, list[int]]:
     """GPTQ on each gathered expert projection whose Hessian came from at least as many tokens as
     its input width; the others keep their max-calibrated weights. Returns, per expert module, the
     projections rounded and those kept: ``[rounded, kept]``."""
@@ -210,7 +210,7 @@ def quantize_experts(hessians: ExpertHessians, damp: float) -> dict[str, list[in
                 quantizer = quantizers[expert]
                 if not (_is_mxfp4(quantizer) or static_scales(quantizer)):
                     raise PipelineError(f"GPTQ needs static NVFP4 weight scales; {name}.{proj}[{expert}] has dynamic ones")
-                _update([_ExpertSlice(weight.data[expert], quantizer)], entry.hessian / entry.tokens, damp)
+                _update([_ExpertSlice(weight.data[expert], quantizer)], entry.hessian / entry.tokens, damp, order)
                 count[0] += 1
     return counts
 
@@ -222,7 +222,7 @@ def _is_mxfp4(quantizer: Any) -> bool:
 
 @torch.no_grad()
 def quantize_layer(
-    layer: torch.nn.Module, hessians: Hessians, prefix: str, factors: Factors, damp: float
+    layer: torch.nn.Module, hessians: Hessians, prefix: str, factors: Factors, damp: float, order: bool = False
 ) -> list[GroupError]:
     """Weight scales for the (folded) layer, then GPTQ's rounding of its weights.
 
@@ -254,7 +254,7 @@ def quantize_layer(
             hessian = hessian * c[:, None] * c[None, :]
         modules = [hessians.modules[n] for n in entry.names]
         before = [m.weight.detach().clone() for m in modules]
-        _update(modules, hessian, damp)
+        _update(modules, hessian, damp, order)
         moved = [output_error(w, m.weight, hessian) for w, m in zip(before, modules, strict=True)]
         errors.append(GroupError(
             tuple(prefix + n for n in entry.names), sum(e for e, _ in moved), sum(r for _, r in moved),
@@ -263,51 +263,73 @@ def quantize_layer(
     return errors
 
 
-def _update(modules: list[Any], hessian: torch.Tensor, damp: float) -> None:
-    """GPTQ on the modules that read one input, their rows stacked into one matrix."""
+def _update(modules: list[Any], hessian: torch.Tensor, damp: float, order: bool = False) -> None:
+    """GPTQ on the modules that read one input, their rows stacked into one matrix; with ``order``,
+    in activation order: the input columns with the Hessian's largest diagonal rounded first, so that
+    the rounding errors of the inputs that weigh most are spread over all the others, each column
+    still on its own block's scale (fixed before, from the weights in their stored order)."""
     from modelopt.torch.quantization.utils.calib_utils import compute_hessian_inverse
 
     weights = [m.weight.detach().float() for m in modules]
     weight = torch.cat(weights)
     device = weight.device
-    h_inv = compute_hessian_inverse(hessian.to(device), weight, damp)
+    hessian = hessian.to(device)
     quantizers = [m.weight_quantizer for m in modules]
     group = int(quantizers[0].block_sizes.get(-1) or 16)
-    if _is_mxfp4(quantizers[0]):
-        scales = torch.exp2(mxfp4_exponents(weight, group))
-        gptq_update(weight, h_inv, scales, group, BLOCK)
-    else:
-        _update_nvfp4(weight, weights, quantizers, h_inv, group)
+    mxfp4 = _is_mxfp4(quantizers[0])
+    if order or mxfp4 or not _fused_nvfp4(weight, weights, quantizers, hessian, damp, group):
+        scales = (
+            torch.exp2(mxfp4_exponents(weight, group)) if mxfp4 else _nvfp4_scales(weights, quantizers, group)
+        )
+        if order:
+            permutation = torch.argsort(hessian.diagonal(), descending=True)
+            permuted = weight[:, permutation].contiguous()
+            h_inv = compute_hessian_inverse(hessian[permutation][:, permutation], permuted, damp)
+            gptq_update(permuted, h_inv, scales.repeat_interleave(group, 1)[:, permutation].contiguous(), group, BLOCK)
+            weight = permuted[:, torch.argsort(permutation)]
+        else:
+            gptq_update(weight, compute_hessian_inverse(hessian, weight, damp), scales, group, BLOCK)
     start = 0
     for m, w in zip(modules, weights, strict=True):
         m.weight.data.copy_(weight[start : start + w.shape[0]].to(m.weight.dtype))
         start += w.shape[0]
 
 
-def _update_nvfp4(
-    weight: torch.Tensor, weights: list[torch.Tensor], quantizers: list[Any], h_inv: torch.Tensor, group: int
-) -> None:
+def _nvfp4_scales(weights: list[torch.Tensor], quantizers: list[Any], group: int) -> torch.Tensor:
+    """The static NVFP4 block scales (E4M3 block scale times the global one) of the stacked weights."""
     from modelopt.torch.quantization.utils.numeric_utils import fp8_max_for_normalization
 
-    amax = torch.cat([q.amax.reshape(w.shape[0], w.shape[1] // group).float() for q, w in zip(quantizers, weights, strict=True)])
+    return torch.cat([
+        static_nvfp4_scales(
+            q.amax.reshape(w.shape[0], w.shape[1] // group).float(), q.global_amax, fp8_max=fp8_max_for_normalization(q)
+        ).to(w.device)
+        for q, w in zip(quantizers, weights, strict=True)
+    ])
+
+
+def _fused_nvfp4(
+    weight: torch.Tensor, weights: list[torch.Tensor], quantizers: list[Any], hessian: torch.Tensor, damp: float, group: int
+) -> bool:
+    """ModelOpt's Triton kernel for NVFP4 on CUDA (one launch per block of columns), in place, where
+    it applies (the stacked weights share one global scale); False where it doesn't."""
+    from modelopt.torch.quantization.utils.numeric_utils import fp8_max_for_normalization
+
     global_amax = quantizers[0].global_amax.float()
-    if (
+    if not (
         weight.device.type == "cuda"
         and all(torch.equal(q.global_amax.float(), global_amax) for q in quantizers)
         and all(fp8_max_for_normalization(q) == E4M3_MAX for q in quantizers)
     ):
-        # ModelOpt's Triton kernel: one launch per block of columns.
-        from modelopt.torch.quantization.utils.calib_utils import gptq_blockwise_update_fused_scalar
+        return False
+    from modelopt.torch.quantization.utils.calib_utils import (
+        compute_hessian_inverse,
+        gptq_blockwise_update_fused_scalar,
+    )
 
-        gptq_blockwise_update_fused_scalar(
-            weight, amax, global_amax.item() / (6.0 * E4M3_MAX), h_inv, BLOCK, group
-        )
-        return
-    scales = torch.cat([
-        static_nvfp4_scales(a, q.global_amax, fp8_max=fp8_max_for_normalization(q)).to(weight.device)
-        for q, a in zip(quantizers, amax.split([w.shape[0] for w in weights]), strict=True)
-    ])
-    gptq_update(weight, h_inv, scales, group, BLOCK)
+    amax = torch.cat([q.amax.reshape(w.shape[0], w.shape[1] // group).float() for q, w in zip(quantizers, weights, strict=True)])
+    h_inv = compute_hessian_inverse(hessian, weight, damp)
+    gptq_blockwise_update_fused_scalar(weight, amax, global_amax.item() / (6.0 * E4M3_MAX), h_inv, BLOCK, group)
+    return True
 
 
 # --- the update ------------------------------------------------------------------------------
@@ -315,9 +337,11 @@ def _update_nvfp4(
 
 def gptq_update(weight: torch.Tensor, h_inv: torch.Tensor, scales: torch.Tensor, group: int, block_size: int) -> None:
     """GPTQ's blockwise weight update in place: each column rounded to the E2M1 grid of its block's
-    scale (``scales``: one column per ``group`` weight columns), its error spread over the columns
-    after it through the inverse Hessian's upper Cholesky factor ``h_inv``."""
+    scale (``scales``: one column per ``group`` weight columns, or one per weight column where the
+    columns are rounded in another order than stored), its error spread over the columns after it
+    through the inverse Hessian's upper Cholesky factor ``h_inv``."""
     columns = weight.shape[1]
+    per_column = scales.shape[1] == columns
     if block_size % group or columns % group or group % CHUNK:
         raise PipelineError(f"GPTQ: {columns} columns in blocks of {block_size} can't be rounded in groups of {group}")
     for start in range(0, columns, block_size):
@@ -329,7 +353,7 @@ def gptq_update(weight: torch.Tensor, h_inv: torch.Tensor, scales: torch.Tensor,
             last = first + CHUNK
             rounded, error = _round_group(
                 block[:, first:last].contiguous(), h_block[first:last, first:last].contiguous(),
-                scales[:, (start + first) // group].contiguous(),
+                (scales[:, start + first : start + last] if per_column else scales[:, (start + first) // group]).contiguous(),
             )
             block[:, first:last] = rounded
             errors[:, first:last] = error
@@ -341,12 +365,13 @@ def gptq_update(weight: torch.Tensor, h_inv: torch.Tensor, scales: torch.Tensor,
 
 
 def _round_group_eager(w: torch.Tensor, h: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Round the columns of ``w`` (one block scale's worth) in turn, each after the errors of the
-    ones before it were spread into it; returns the rounded columns and the scaled errors."""
+    """Round the columns of ``w`` in turn (on ``scale``: one per row, or one per row and column),
+    each after the errors of the ones before it were spread into it; returns the rounded columns and
+    the scaled errors."""
     columns = list(w.float().unbind(1))
     rounded, errors = [], []
     for i in range(len(columns)):
-        q = quantize_to_scales(columns[i], scale)
+        q = quantize_to_scales(columns[i], scale[:, i] if scale.dim() == 2 else scale)
         error = (columns[i] - q) / h[i, i]
         for j in range(i + 1, len(columns)):
             columns[j] = columns[j] - error * h[i, j]

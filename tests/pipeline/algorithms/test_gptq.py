@@ -58,6 +58,53 @@ def test_the_update_refuses_columns_that_do_not_split_into_scale_blocks() -> Non
         gptq.gptq_update(weight, h_inv, scales, 16, 120)
 
 
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
+def test_activation_order_rounds_the_loud_inputs_first_and_keeps_each_block_on_its_own_scale(fmt: str) -> None:
+    """Inputs whose channels differ in loudness, the loud ones stored last: rounded loudest first,
+    the quiet columns absorb the loud ones' rounding error, and the layer's outputs move less than
+    in stored order; every value is still on its block's grid (scales fixed in stored order)."""
+    import copy
+
+    import modelopt.torch.quantization as mtq
+
+    from fp4prep.pipeline.device import resolve
+    from fp4prep.pipeline.modelopt_ext.quantizers import quant_config
+    from fp4prep.pipeline.modelopt_ext.session import Session
+    from fp4prep.pipeline.recipes import RECIPES
+
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(4096, 128, generator=generator) @ (torch.eye(128) + 0.3 * torch.randn(128, 128, generator=generator) / 128**0.5)
+    x[:, -8:] *= 30  # loud channels, stored last
+    hessian = x.T @ x / len(x)
+    errors = {}
+    with Session(resolve("cpu")), torch.no_grad():
+        linear = nn.Linear(128, 256, bias=False)
+        nn.init.normal_(linear.weight, std=0.05, generator=generator)
+        original = linear.weight.detach().clone()
+        quantized = mtq.quantize(linear, {**quant_config(RECIPES[fmt], resolve("cpu")), "algorithm": "max"}, None)
+        for order in (False, True):
+            module = copy.deepcopy(quantized)
+            module.weight.data.copy_(original)
+            gptq.quantize_layer(module, _one_input(module, x), "", {}, 0.01, order)
+            rounded = module.weight.detach().float()
+            grid = module.weight_quantizer(rounded) if fmt == "nvfp4" else numerics.mxfp4_fake_quant(rounded, 32)
+            assert torch.equal(grid.float(), rounded)  # on its blocks' grid
+            d = rounded - original
+            errors[order] = float((d @ hessian * d).sum())
+    assert errors[True] < 0.9 * errors[False]
+
+
+def _one_input(module: nn.Module, x: torch.Tensor) -> gptq.Hessians:
+    """``module``'s Hessians, gathered from ``x`` in one batch."""
+    from modelopt.torch.quantization.conversion import set_quantizer_by_cfg_context
+
+    hessians = gptq.Hessians(module)
+    with set_quantizer_by_cfg_context(module, [{"quantizer_name": "*", "enable": False}]):
+        module(x)
+    hessians.remove()
+    return hessians
+
+
 class Attention(nn.Module):
     def __init__(self, width: int = 32) -> None:
         super().__init__()
