@@ -43,8 +43,12 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 TORCH = "torch==2.13.0"
-# Each peer's package, pinned: its environment is named after it.
-PACKAGES = {"llmcompressor": "llmcompressor==0.14.0.1", "autoround": "auto-round==0.16.1"}
+# Each peer's packages, pinned: its environment is named after the first. AutoRound writes
+# compressed-tensors' layout only with that package installed (an optional dependency of its).
+PACKAGES = {
+    "llmcompressor": ["llmcompressor==0.14.0.1"],
+    "autoround": ["auto-round==0.16.1", "compressed-tensors==0.20.1"],
+}
 # quantizer -> (tool, method)
 QUANTIZERS = {
     "modelopt": ("modelopt", "default"),
@@ -75,20 +79,21 @@ def data_dir() -> Path:
 
 
 def environment(tool: str) -> Path:
-    """The python of ``tool``'s own virtual environment, made (once) with torch pinned first."""
-    package = PACKAGES[tool]
-    env = data_dir() / package.replace("==", "-")
+    """The python of ``tool``'s own virtual environment, made (once per package list) with torch pinned first."""
+    packages = PACKAGES[tool]
+    env = data_dir() / packages[0].replace("==", "-")
     python = env / "bin" / "python"
-    if (env / ".ready").is_file():
+    ready = env / ".ready"
+    if ready.is_file() and ready.read_text() == " ".join(packages):
         return python
-    print(f"installing {package} into {env} (once)", file=sys.stderr, flush=True)
+    print(f"installing {' '.join(packages)} into {env} (once)", file=sys.stderr, flush=True)
     venv.create(env, with_pip=True, clear=True)
     constraints = env / "constraints.txt"
     constraints.write_text(f"{TORCH}\n")  # the peer's dependencies may not move torch off this build
     pip = [str(python), "-m", "pip", "install", "-q"]
     subprocess.run([*pip, TORCH], check=True)
-    subprocess.run([*pip, "-c", str(constraints), package], check=True)
-    (env / ".ready").write_text(package)
+    subprocess.run([*pip, "-c", str(constraints), *packages], check=True)
+    ready.write_text(" ".join(packages))
     return python
 
 
