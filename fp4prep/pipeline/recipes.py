@@ -150,14 +150,16 @@ class Recipe:
 RECIPES: dict[str, Recipe] = {
     "nvfp4": Recipe(
         FORMATS["nvfp4"],
-        steps=(AwqSearch(alpha_step=0.5), Gptq(hessian_stride=2, activation_order=True)),
+        # Activation order measured mixed here (60 conversations: KL 0.052 -> 0.047; the job's 16:
+        # 0.055 -> 0.077): off until it wins on both.
+        steps=(AwqSearch(alpha_step=0.5), Gptq(hessian_stride=2)),
         thresholds=Thresholds(
             continuation_top1=0.9, answer_kl=0.3, identical_greedy=0.5, adapter_retention=0.5, reload_max_logit_diff=1e-3
         ),
     ),
     # GPTQ on each block's own power-of-two grid, with the Hessian of the BF16 inputs the engine
     # multiplies the weights by. Activation order (the inputs that weigh most rounded first) took the
-    # demo's KL on answers from 0.040 to 0.016 (NVFP4: 0.052 to 0.047): benchmarks/peers.py.
+    # demo's KL on answers from 0.040 to 0.016: benchmarks/peers.py.
     "mxfp4": Recipe(
         FORMATS["mxfp4"],
         steps=(Gptq(hessian_stride=2, activation_order=True),),
