@@ -15,7 +15,8 @@ plus the adapter), on the demo's held-back conversations and the adapter's task 
   model's inputs, without the coordinate descent after it;
 - ``merged-inputs``: GPTQ and coordinate descent on the held scales, every layer rounded on the
   BF16 merged model's inputs (the recipe before it rounded on the prepared model's);
-- ``recipe``: what a job does: GPTQ on the held scales, then coordinate descent over every column,
+- ``stored-order``: the recipe with GPTQ rounding the columns in their stored order;
+- ``recipe``: what a job does: GPTQ on the held scales in activation order, then coordinate descent over every column,
   each layer rounded on the inputs the layers before it give once rounded, towards the BF16 merged
   model's outputs.
 
@@ -44,7 +45,7 @@ warnings.filterwarnings("ignore")
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 DESCENT_PASSES = 4  # the job's (held_gptq.DESCENT_PASSES)
-CANDIDATES = ("peers", "scratch", "held-rtn", "held-gptq", "merged-inputs", "recipe")
+CANDIDATES = ("peers", "scratch", "held-rtn", "held-gptq", "merged-inputs", "stored-order", "recipe")
 
 
 def run_candidate(candidate: str, assets: Any, out: Path, parity_prompts: int = 60) -> dict[str, Any]:
@@ -57,7 +58,8 @@ def run_candidate(candidate: str, assets: Any, out: Path, parity_prompts: int = 
     if candidate in ("peers", "held-rtn"):
         recipe = dataclasses.replace(recipe, steps=())
     held_gptq.DESCENT_PASSES = 0 if candidate == "held-gptq" else DESCENT_PASSES
-    held_gptq.PREPARED_INPUTS = candidate == "recipe"
+    held_gptq.PREPARED_INPUTS = candidate in ("stored-order", "recipe")
+    held_gptq.ACTIVATION_ORDER = candidate != "stored-order"
     started = time.perf_counter()
     result = run(PipelineConfig(
         base_dir=base, output_dir=out, quantization="mxfp4", adapter_dir=assets.adapter_dir,

@@ -61,6 +61,10 @@ DESCENT_PASSES = 4
 # Round each layer on the prepared model's inputs towards the merged model's outputs (the module's
 # docstring); False: on the merged model's inputs alone, as GPTQ does.
 PREPARED_INPUTS = True
+# GPTQ in activation order (the inputs with the largest Hessian diagonal rounded first): measured on
+# the dense demo release's sentiment adapter, 60 conversations, it kept more of the change in weight
+# space (0.353 -> 0.395) and in the tokens (top-1 on continuations 0.977 -> 1.000) at a lower KL.
+ACTIVATION_ORDER = True
 # A weight whose rounding kept less than this share of its change in the outputs is named in the report.
 NOT_KEPT = 0.5
 
@@ -107,7 +111,8 @@ class HeldGptq:
         theirs, and those rounded to nearest."""
         change = sum(k.change for k in self.kept.values())
         return {
-            "rounding": "by GPTQ on the release's block scales, then coordinate descent towards the BF16 merged "
+            "rounding": f"by GPTQ on the release's block scales{' in activation order' if ACTIVATION_ORDER else ''}, "
+            "then coordinate descent towards the BF16 merged "
             "model's outputs from the prepared model's inputs",
             "kept_in_outputs": 1 - sum(k.gptq_error for k in self.kept.values()) / change if change else None,
             "kept_in_outputs_nearest": 1 - sum(k.nearest_error for k in self.kept.values()) / change if change else None,
@@ -217,8 +222,6 @@ def _round(
     input width (GPTQ would fit the few it saw). With a ``Paired`` Hessian the rounding aims at the
     merged model's outputs from the prepared model's inputs. An expert of a fused tensor
     (``target.sliced``) is that expert's rows, the merged tensor read once into ``fused``."""
-    from modelopt.torch.quantization.utils.calib_utils import compute_hessian_inverse
-
     tensor = target.tensor
 
     def read(name: str) -> torch.Tensor:
@@ -254,8 +257,7 @@ def _round(
     # GPTQ from the merged weight, which sits next to the grid (rounding the goal from scratch, off
     # the grid everywhere, costs more than the goal gains); the descent then goes for the goal,
     # never making its objective worse.
-    rounded = weight.clone()
-    gptq_update(rounded, compute_hessian_inverse(h, weight, damp), steps, group, BLOCK)
+    rounded = gptq_rounding(weight, h, steps, group, damp, ACTIVATION_ORDER)
     descend(rounded, goal, h, steps, DESCENT_PASSES)
     values = _values(rounded, steps)
     base = base.to(weight.device)
@@ -264,6 +266,26 @@ def _round(
     dequantized = scale_blocks(values, steps)
     result.kept[name] = Kept(change, _energy(dequantized - goal, h), _energy(near - goal, h), hessian.tokens)
     return (values * 2).round().to(torch.int8), dequantized
+
+
+def gptq_rounding(
+    weight: torch.Tensor, h: torch.Tensor, steps: torch.Tensor, group: int, damp: float, order: bool,
+) -> torch.Tensor:
+    """GPTQ's rounding of ``weight`` on ``steps`` (one per block of ``group`` columns); with ``order``,
+    in activation order: the inputs with the largest Hessian diagonal ``h`` first, so that the loud
+    inputs are rounded while every other column can still take up their error, each column on its
+    own block's step."""
+    from modelopt.torch.quantization.utils.calib_utils import compute_hessian_inverse
+
+    if not order:
+        rounded = weight.clone()
+        gptq_update(rounded, compute_hessian_inverse(h, weight, damp), steps, group, BLOCK)
+        return rounded
+    order = torch.argsort(h.diagonal(), descending=True)
+    rounded = weight[:, order].contiguous()
+    h_inv = compute_hessian_inverse(h[order][:, order], rounded, damp)
+    gptq_update(rounded, h_inv, steps.repeat_interleave(group, 1)[:, order].contiguous(), group, BLOCK)
+    return rounded[:, torch.argsort(order)]
 
 
 def _towards_merged(weight: torch.Tensor, hessian: torch.Tensor, cross: torch.Tensor, damp: float) -> torch.Tensor:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from fp4prep.pipeline.algorithms.gptq import BLOCK, gptq_update
-from fp4prep.pipeline.algorithms.held_gptq import descend
+from fp4prep.pipeline.algorithms.held_gptq import descend, gptq_rounding
 from fp4prep.pipeline.algorithms.held_scales import nearest
 from fp4prep.pipeline.formats.numerics import e2m1_round, scale_blocks
 
@@ -96,3 +96,18 @@ def test_rounding_on_the_prepared_models_inputs_aims_at_the_merged_models_output
         assert _on_grid(q, steps)
         rounded[name] = q
     assert error(rounded["goal"]) < 0.7 * error(rounded["merged"])
+
+
+def test_activation_order_rounds_the_loud_inputs_first_on_each_columns_own_held_step() -> None:
+    """A few inputs far louder than the rest: rounded first, their error is taken up by every other
+    column instead of only the ones stored after them; every value stays on its own block's step."""
+    base, merged, steps, h = _problem()
+    loudness = torch.ones(h.shape[0])
+    loudness[torch.arange(5, h.shape[0], 17)] = 6.0
+    h = h * loudness[:, None] * loudness[None, :]
+    errors = {}
+    for order in (False, True):
+        rounded = gptq_rounding(merged, h, steps, 32, 0.01, order)
+        assert _on_grid(rounded, steps)
+        errors[order] = _error(rounded, merged, h)
+    assert errors[True] < 0.9 * errors[False]

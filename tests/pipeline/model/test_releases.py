@@ -189,7 +189,7 @@ def test_a_model_prepared_from_a_release_keeps_its_format_and_every_tensor_the_a
     assert result.release is not None
     counts = {k: result.release[k] for k in ("copied", "requantized", "rewritten")}
     assert counts == {"copied": len(theirs) - len(layers), "requantized": len(layers), "rewritten": 0}
-    assert result.release["rounding"].startswith("by GPTQ on the release's block scales, then coordinate descent")
+    assert result.release["rounding"].startswith("by GPTQ on the release's block scales in activation order, then coordinate descent")
     assert result.release["rounded_to_nearest"] == {}
     assert any("read back bit for bit as written" in check for check in result.checks)
     card = (out / "README.md").read_text()
