@@ -268,8 +268,6 @@ def _update(modules: list[Any], hessian: torch.Tensor, damp: float, order: bool 
     in activation order: the input columns with the Hessian's largest diagonal rounded first, so that
     the rounding errors of the inputs that weigh most are spread over all the others, each column
     still on its own block's scale (fixed before, from the weights in their stored order)."""
-    from modelopt.torch.quantization.utils.calib_utils import compute_hessian_inverse
-
     weights = [m.weight.detach().float() for m in modules]
     weight = torch.cat(weights)
     device = weight.device
@@ -281,18 +279,31 @@ def _update(modules: list[Any], hessian: torch.Tensor, damp: float, order: bool 
         scales = (
             torch.exp2(mxfp4_exponents(weight, group)) if mxfp4 else _nvfp4_scales(weights, quantizers, group)
         )
-        if order:
-            permutation = torch.argsort(hessian.diagonal(), descending=True)
-            permuted = weight[:, permutation].contiguous()
-            h_inv = compute_hessian_inverse(hessian[permutation][:, permutation], permuted, damp)
-            gptq_update(permuted, h_inv, scales.repeat_interleave(group, 1)[:, permutation].contiguous(), group, BLOCK)
-            weight = permuted[:, torch.argsort(permutation)]
-        else:
-            gptq_update(weight, compute_hessian_inverse(hessian, weight, damp), scales, group, BLOCK)
+        weight = gptq_rounding(weight, hessian, scales, group, damp, order)
     start = 0
     for m, w in zip(modules, weights, strict=True):
         m.weight.data.copy_(weight[start : start + w.shape[0]].to(m.weight.dtype))
         start += w.shape[0]
+
+
+def gptq_rounding(
+    weight: torch.Tensor, hessian: torch.Tensor, scales: torch.Tensor, group: int, damp: float, order: bool,
+) -> torch.Tensor:
+    """``weight`` rounded by GPTQ on ``scales`` (one per block of ``group`` columns); with ``order``,
+    in activation order: the input columns with the Hessian's largest diagonal first, so that the
+    errors of the inputs that weigh most are spread over all the others, each column still on its
+    own block's scale. Returns the rounded weight in its stored column order: ``weight`` itself,
+    rounded in place, in stored order; a new tensor in activation order."""
+    from modelopt.torch.quantization.utils.calib_utils import compute_hessian_inverse
+
+    if not order:
+        gptq_update(weight, compute_hessian_inverse(hessian, weight, damp), scales, group, BLOCK)
+        return weight
+    permutation = torch.argsort(hessian.diagonal(), descending=True)
+    permuted = weight[:, permutation].contiguous()
+    h_inv = compute_hessian_inverse(hessian[permutation][:, permutation], permuted, damp)
+    gptq_update(permuted, h_inv, scales.repeat_interleave(group, 1)[:, permutation].contiguous(), group, BLOCK)
+    return permuted[:, torch.argsort(permutation)]
 
 
 def _nvfp4_scales(weights: list[torch.Tensor], quantizers: list[Any], group: int) -> torch.Tensor:

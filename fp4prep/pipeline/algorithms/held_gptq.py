@@ -50,7 +50,7 @@ from ..model.layer_walk import Walk, held, run_layer
 from ..model.merge import MergedWeights
 from ..model.releases import BaseSource, QuantizedTensor
 from ..model.streaming import decoder_layers
-from .gptq import BLOCK, CHUNK, _Input, expert_hessian_bytes, gptq_update
+from .gptq import BLOCK, CHUNK, _Input, expert_hessian_bytes, gptq_rounding
 from .held_inputs import Paired, Placed, Target, chunks, gather, placed, rounded_in
 from .held_inputs import stages as staged
 from .held_scales import nearest
@@ -257,7 +257,7 @@ def _round(
     # GPTQ from the merged weight, which sits next to the grid (rounding the goal from scratch, off
     # the grid everywhere, costs more than the goal gains); the descent then goes for the goal,
     # never making its objective worse.
-    rounded = gptq_rounding(weight, h, steps, group, damp, ACTIVATION_ORDER)
+    rounded = gptq_rounding(weight.clone(), h, steps, group, damp, ACTIVATION_ORDER)
     descend(rounded, goal, h, steps, DESCENT_PASSES)
     values = _values(rounded, steps)
     base = base.to(weight.device)
@@ -266,26 +266,6 @@ def _round(
     dequantized = scale_blocks(values, steps)
     result.kept[name] = Kept(change, _energy(dequantized - goal, h), _energy(near - goal, h), hessian.tokens)
     return (values * 2).round().to(torch.int8), dequantized
-
-
-def gptq_rounding(
-    weight: torch.Tensor, h: torch.Tensor, steps: torch.Tensor, group: int, damp: float, order: bool,
-) -> torch.Tensor:
-    """GPTQ's rounding of ``weight`` on ``steps`` (one per block of ``group`` columns); with ``order``,
-    in activation order: the inputs with the largest Hessian diagonal ``h`` first, so that the loud
-    inputs are rounded while every other column can still take up their error, each column on its
-    own block's step."""
-    from modelopt.torch.quantization.utils.calib_utils import compute_hessian_inverse
-
-    if not order:
-        rounded = weight.clone()
-        gptq_update(rounded, compute_hessian_inverse(h, weight, damp), steps, group, BLOCK)
-        return rounded
-    order = torch.argsort(h.diagonal(), descending=True)
-    rounded = weight[:, order].contiguous()
-    h_inv = compute_hessian_inverse(h[order][:, order], rounded, damp)
-    gptq_update(rounded, h_inv, steps.repeat_interleave(group, 1)[:, order].contiguous(), group, BLOCK)
-    return rounded[:, torch.argsort(order)]
 
 
 def _towards_merged(weight: torch.Tensor, hessian: torch.Tensor, cross: torch.Tensor, damp: float) -> torch.Tensor:

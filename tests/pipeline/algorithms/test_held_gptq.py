@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import torch
 
-from fp4prep.pipeline.algorithms.gptq import BLOCK, gptq_update
-from fp4prep.pipeline.algorithms.held_gptq import descend, gptq_rounding
+from fp4prep.pipeline.algorithms.gptq import BLOCK, gptq_rounding, gptq_update
+from fp4prep.pipeline.algorithms.held_gptq import descend
 from fp4prep.pipeline.algorithms.held_scales import nearest
 from fp4prep.pipeline.formats.numerics import e2m1_round, scale_blocks
 
@@ -107,7 +107,7 @@ def test_activation_order_rounds_the_loud_inputs_first_on_each_columns_own_held_
     h = h * loudness[:, None] * loudness[None, :]
     errors = {}
     for order in (False, True):
-        rounded = gptq_rounding(merged, h, steps, 32, 0.01, order)
+        rounded = gptq_rounding(merged.clone(), h, steps, 32, 0.01, order)
         assert _on_grid(rounded, steps)
         errors[order] = _error(rounded, merged, h)
     assert errors[True] < 0.9 * errors[False]
