@@ -6,7 +6,11 @@ model's folder and the calibration sequences fp4prep's recipe calibrates on (a J
 lists), quantizes, saves the peer's own export (compressed-tensors) and prints one JSON line with
 the quantizer's wall time and the process's peak memory.
 
-    python peer_quantize.py TOOL METHOD SCHEME MODEL_DIR SEQUENCES.json OUT_DIR
+    python peer_quantize.py TOOL METHOD SCHEME MODEL_DIR SEQUENCES.json OUT_DIR [DTYPE]
+
+DTYPE (``bfloat16``, the default, or ``float32``) is what the model is loaded and calibrated in:
+``peers.py`` passes the one fp4prep computes in on this CPU (FP32 where it has no native BF16
+arithmetic, where a BF16 matrix product runs tens of times slower), so that times compare.
 
 TOOL ``llmcompressor``: METHOD ``rtn`` (``QuantizationModifier``), ``gptq`` (``GPTQModifier``) or
 ``awq-gptq`` (``AWQModifier`` then ``GPTQModifier``); SCHEME a compressed-tensors preset (``NVFP4``,
@@ -73,8 +77,10 @@ def _autoround(model, tokenizer, method: str, scheme: str, sequences: list[list[
 
 
 def main(argv: list[str]) -> None:
-    tool, method, scheme, model_dir, sequences_file, out = argv
+    tool, method, scheme, model_dir, sequences_file, out = argv[:6]
     import torch
+
+    dtype = getattr(torch, argv[6] if len(argv) > 6 else "bfloat16")
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     torch.manual_seed(0)
@@ -86,9 +92,9 @@ def main(argv: list[str]) -> None:
         from llmcompressor.modeling.moe.linearize import load_quantizable_moe
 
         with load_quantizable_moe():
-            model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16)
+            model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
     else:
-        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16)
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     {"llmcompressor": _llmcompressor, "autoround": _autoround}[tool](model, tokenizer, method, scheme, sequences, Path(out))
     tokenizer.save_pretrained(out)

@@ -10,7 +10,9 @@ fp4prep's recipe calibrates on (the demo's conversations and general text, 16 ×
   ``GPTQModifier``, and ``AWQModifier`` then ``GPTQModifier``, with the compressed-tensors preset of
   the format (``NVFP4``; ``MXFP4A16``, weights only, as fp4prep's MXFP4 is);
 - ``autoround``, ``autoround-fast``: Intel's AutoRound (its default 200 iterations; 50);
-- ``fp4prep``: the local command (``fp4prep quantize``) on the base and the adapter, as a user runs it.
+- ``fp4prep``: the local command (``fp4prep quantize``) on the base and the adapter, as a user runs it;
+  ``fp4prep-other-order``: the same job with the recipe's GPTQ in the other column order (activation
+  order where the recipe keeps stored order, and back), to decide it on every adapter.
 
 Every export is then scored by the same code, fp4prep's reader (each weight dequantized as vLLM
 dequantizes it, each quantized layer's input quantized as vLLM quantizes it for the format),
@@ -19,7 +21,8 @@ top-1 on answers, top-1 on the BF16 model's continuations, identical greedy, tas
 the adapter's change retained in the weights; with each quantizer's wall time and peak memory
 (its whole process: load, calibrate, quantize, save; one at a time).
 
-Each peer runs in its own virtual environment under ``$FP4PREP_DATA_DIR/peers`` (pinned, torch 2.13.0
+Each peer loads and calibrates the model in the dtype fp4prep computes in on this CPU (BF16, or FP32
+where the CPU has no native BF16 arithmetic). Each peer runs in its own virtual environment under ``$FP4PREP_DATA_DIR/peers`` (pinned, torch 2.13.0
 kept by a constraints file; made on first use), through ``peer_quantize.py``.
 
     .venv/bin/python benchmarks/peers.py [--base dense moe] [--task sentiment orders dates]
@@ -32,6 +35,7 @@ import argparse
 import dataclasses
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -58,6 +62,7 @@ QUANTIZERS = {
     "autoround": ("autoround", "default"),
     "autoround-fast": ("autoround", "fast"),
     "fp4prep": ("fp4prep", "recipe"),
+    "fp4prep-other-order": ("fp4prep", "other-order"),
 }
 # Each tool's name for the format, as fp4prep writes it (NVFP4: weights and inputs; MXFP4: weights).
 SCHEMES = {"llmcompressor": {"nvfp4": "NVFP4", "mxfp4": "MXFP4A16"}, "autoround": {"nvfp4": "NVFP4", "mxfp4": "MXFP4A16"}}
@@ -71,6 +76,20 @@ merged, fmt, sequences_from, out = Path(sys.argv[1]), sys.argv[2], sys.argv[3], 
 recipe = dataclasses.replace(recipe_for(fmt), steps=())
 run(PipelineConfig(base_dir=merged, output_dir=out, quantization=fmt, calibration_file=Path(sequences_from),
                    recipe=recipe, quality_gate=False))
+"""
+
+# fp4prep's job with the recipe's GPTQ rounding its columns in the other order.
+OTHER_ORDER = """
+import dataclasses, sys
+from pathlib import Path
+from fp4prep.pipeline import PipelineConfig, run
+from fp4prep.pipeline.recipes import Gptq, recipe_for
+base, adapter, fmt, calibration, out = sys.argv[1:]
+recipe = recipe_for(fmt)
+flip = lambda s: dataclasses.replace(s, activation_order=not s.activation_order) if isinstance(s, Gptq) else s
+recipe = dataclasses.replace(recipe, steps=tuple(flip(s) for s in recipe.steps))
+run(PipelineConfig(base_dir=Path(base), adapter_dir=Path(adapter), output_dir=Path(out), quantization=fmt,
+                   calibration_file=Path(calibration), recipe=recipe, quality_gate=False))
 """
 
 
@@ -160,16 +179,21 @@ def _peft_merge(base: Path, adapter: Path, out: Path) -> None:
 def quantize(case: Case, quantizer: str, fmt: str, out: Path) -> dict[str, Any]:
     """Run ``quantizer`` into ``out`` in a process of its own: its wall time and peak memory."""
     tool, method = QUANTIZERS[quantizer]
-    if tool == "fp4prep":
-        a = case.assets
+    a = case.assets
+    if method == "recipe":
         command = [str(ROOT / ".venv" / "bin" / "fp4prep"), "quantize", "--model-id", str(a.base_dir), "--adapter-directory",
                    str(a.adapter_dir), "--output-directory", str(out), "-c", str(a.calibration_file), "--quantization", fmt,
                    "--no-quality-gate", "--quiet"]
+    elif method == "other-order":
+        command = [sys.executable, "-c", OTHER_ORDER, str(a.base_dir), str(a.adapter_dir), fmt, str(a.calibration_file), str(out)]
     elif tool == "modelopt":
         command = [sys.executable, "-c", MODELOPT_DEFAULT, str(case.merged), fmt, str(case.assets.calibration_file), str(out)]
     else:
+        from fp4prep.pipeline.device import resolve
+
+        dtype = str(resolve("cpu").dtype).removeprefix("torch.")  # what fp4prep computes in on this CPU
         command = [str(environment(tool)), str(ROOT / "benchmarks" / "peer_quantize.py"), tool, method, SCHEMES[tool][fmt],
-                   str(case.merged), str(case.sequences), str(out)]
+                   str(case.merged), str(case.sequences), str(out), dtype]
     started = time.perf_counter()
     with tempfile.TemporaryFile() as log:
         process = subprocess.Popen(command, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
@@ -180,6 +204,41 @@ def quantize(case: Case, quantizer: str, fmt: str, out: Path) -> dict[str, Any]:
             tail = log.read().decode(errors="replace").strip().splitlines()[-5:]
             return {"failed": " / ".join(tail)[-600:]}
     return {"seconds": seconds, "peak_bytes": usage.ru_maxrss * 1024}
+
+
+# llm-compressor linearizes the fused routed experts of an architecture it has no per-expert load
+# mapping for (Mixtral among them) after loading, and saves them under the linear modules' own names
+# (``block_sparse_moe.experts.3.gate_proj``): names neither transformers' nor vLLM's Mixtral loader maps
+# (both read ``block_sparse_moe.experts.3.w1``/``w3``/``w2``). Renamed to those before scoring; nothing
+# else changes.
+HUB_EXPERT_NAMES = {"mixtral": {"gate": "w1", "up": "w3", "down": "w2"}}
+_LINEAR_EXPERT = re.compile(r"\.(?:mlp|block_sparse_moe)\.experts\.(\d+)\.(gate|up|down)_proj\.")
+
+
+def hub_expert_names(checkpoint: Path) -> int:
+    """Rename a peer export's per-expert tensors to the names its architecture's loaders read; how many."""
+    from safetensors.torch import load_file, save_file
+
+    projections = HUB_EXPERT_NAMES.get(json.loads((checkpoint / "config.json").read_text()).get("model_type"))
+    if projections is None:
+        return 0
+
+    def hub(name: str) -> str:
+        return _LINEAR_EXPERT.sub(lambda m: f".block_sparse_moe.experts.{m[1]}.{projections[m[2]]}.", name)
+
+    renamed = 0
+    for file in sorted(checkpoint.glob("*.safetensors")):
+        tensors = load_file(file)
+        moved = sum(hub(n) != n for n in tensors)
+        if moved:
+            save_file({hub(n): t for n, t in tensors.items()}, file, metadata={"format": "pt"})
+            renamed += moved
+    index = checkpoint / "model.safetensors.index.json"
+    if renamed and index.is_file():
+        data = json.loads(index.read_text())
+        data["weight_map"] = {hub(n): f for n, f in data["weight_map"].items()}
+        index.write_text(json.dumps(data, indent=2))
+    return renamed
 
 
 def score(case: Case, fmt: str, checkpoint: Path, reference: Any, config: Any) -> dict[str, Any]:
@@ -234,6 +293,8 @@ def main() -> None:
                         out = Path(tmp) / "out"
                         row = {"base": base, "adapter": task, "format": fmt, "quantizer": quantizer, **quantize(case, quantizer, fmt, out)}
                         if "failed" not in row:
+                            if QUANTIZERS[quantizer][0] in PACKAGES:
+                                row["renamed"] = hub_expert_names(out)
                             row.update(score(case, fmt, out, reference, config))
                     rows.append(row)
                     if "failed" in row:
