@@ -150,12 +150,13 @@ class DequantizedWeights(LazyWeights):
     def layers(self) -> dict[str, tuple[str, ...]]:
         return engine_layers(self.quantized)
 
-    def _group_input_scale(self, module: str, leaf: str, names: set[str]) -> torch.Tensor:
-        """The largest input scale stored for the engine layer of ``module``."""
+    def _group_input_scale(self, module: str, leaf: str, names: set[str], smallest: bool = False) -> torch.Tensor:
+        """The largest input scale stored for the engine layer of ``module`` (``smallest``: the smallest)."""
         group = tuple(m for m in self.layers.get(module, (module,)) if f"{m}.{leaf}" in names) or (module,)
-        key = (group, leaf)
+        key = (group, leaf + "<" * smallest)
         if key not in self._input_scales:
-            self._input_scales[key] = torch.stack([self.source.raw(f"{m}.{leaf}").float().max() for m in group]).max()
+            reduce = torch.amin if smallest else torch.amax
+            self._input_scales[key] = reduce(torch.stack([reduce(self.source.raw(f"{m}.{leaf}").float()) for m in group]))
         return self._input_scales[key]
 
     def _activation_quant(self, module: str, names: set[str]) -> ActivationQuant | None:
@@ -172,11 +173,16 @@ class DequantizedWeights(LazyWeights):
             i_name = "input_global_scale" if layout.reciprocal_globals else "input_scale"
             if f"{module}.{i_name}" not in names:
                 return None
-            # vLLM takes one input scale for the layer it builds: the largest stored for its fused
-            # shards (q/k/v, gate/up) and, for routed experts, over every expert of the layer.
-            stored = self._group_input_scale(module, i_name, names)
-            # compressed-tensors stores the engine's global scale itself, ModelOpt its reciprocal.
-            scale = stored.max() if layout.reciprocal_globals else nvfp4_global_scale(stored)
+            # vLLM takes one input scale for the layer it builds: for ModelOpt's input scales (the
+            # reciprocal of the global scale), the largest stored for its fused shards (q/k/v, gate/up)
+            # and, for routed experts, over every expert of the layer. compressed-tensors stores the
+            # global scale itself: vLLM takes the largest of a dense layer's shards
+            # (``CompressedTensorsW4A4Fp4``) but the smallest of the routed experts' (the largest of
+            # their reciprocals, ``convert_to_nvfp4_moe_kernel_format``): the expert that saw the
+            # loudest input sets the scale.
+            expert = fnmatch.fnmatchcase(module, ROUTED_EXPERTS)
+            stored = self._group_input_scale(module, i_name, names, smallest=layout.reciprocal_globals and expert)
+            scale = stored if layout.reciprocal_globals else nvfp4_global_scale(stored)
             return partial(nvfp4_activations, global_scale=scale.to(self.device), block_size=fmt.block_size)
         if fmt.block_scale == "e8m0" and not fp8:
             # Declared or not, MXFP4 inputs are quantized only where vLLM runs FlashInfer's W4A4.

@@ -81,3 +81,29 @@ def test_the_conversion_to_compressed_tensors_copies_bytes_and_inverts_globals(
             assert abs(float(ours[f"{m}.{mine}"]) * float(theirs[f"{m}.{ct}"]) - 1.0) < 1e-6
     unquantized = {k for k in ours if k.rpartition(".")[0] not in modules}
     assert all(torch.equal(ours[k], theirs[k]) for k in unquantized)
+
+
+def test_routed_experts_input_scale_is_the_loudest_experts_in_either_layout(make_base, tmp_path: Path) -> None:
+    """vLLM quantizes every routed expert's input with one scale per layer, the one of the expert that
+    saw the loudest input: the largest of ModelOpt's input scales, the smallest of the global scales
+    compressed-tensors stores (their reciprocals), where a dense layer's fused shards take the largest."""
+    from safetensors.torch import load_file, save_file
+
+    out = tmp_path / "out"
+    run_tiny(make_base("glm4_moe"), out, "nvfp4")
+    stored = load_file(out / "model.safetensors")
+    spread = {k: v * (1 + int(k.split(".experts.")[1].split(".")[0])) for k, v in stored.items() if ".experts." in k and k.endswith(".input_scale")}
+    assert len(spread) >= 12
+    save_file({**stored, **spread}, out / "model.safetensors", metadata={"format": "pt"})
+    converted = tmp_path / "ct"
+    compressed_tensors.to_compressed_tensors(out, converted)
+    modelopt_experts = reader.DequantizedWeights(out, torch.float32).model_activations()[1]
+    ct_experts = reader.DequantizedWeights(converted, torch.float32).model_activations()[1]
+    assert modelopt_experts.keys() == ct_experts.keys() and modelopt_experts
+    for name, quants in modelopt_experts.items():
+        layer = name.rpartition(".experts.")[0]
+        leaves = ("gate_proj", "up_proj") if name.endswith("gate_up_proj") else ("down_proj",)
+        loudest = max(float(v) for k, v in spread.items() if k.startswith(f"{layer}.experts.") and k.split(".")[-2] in leaves)
+        for ours, theirs in zip(quants, ct_experts[name], strict=True):
+            assert float(ours.keywords["global_scale"]) == pytest.approx(1 / loudest, rel=1e-6)
+            assert float(theirs.keywords["global_scale"]) == pytest.approx(1 / loudest, rel=1e-6)
