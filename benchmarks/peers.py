@@ -197,13 +197,28 @@ def quantize(case: Case, quantizer: str, fmt: str, out: Path) -> dict[str, Any]:
     started = time.perf_counter()
     with tempfile.TemporaryFile() as log:
         process = subprocess.Popen(command, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
-        _, status, usage = os.wait4(process.pid, 0)
+        peak = _peak_memory(process)
         seconds = time.perf_counter() - started
-        if os.waitstatus_to_exitcode(status) != 0:
+        if process.returncode != 0:
             log.seek(0)
             tail = log.read().decode(errors="replace").strip().splitlines()[-5:]
             return {"failed": " / ".join(tail)[-600:]}
-    return {"seconds": seconds, "peak_bytes": usage.ru_maxrss * 1024}
+    return {"seconds": seconds, "peak_bytes": peak}
+
+
+def _peak_memory(process: subprocess.Popen[bytes]) -> int:
+    """Wait for ``process``; its own peak resident memory (``VmHWM``, read while it runs). Not the
+    rusage of ``wait4``: Linux carries the exec'ing parent's high-water mark over into the child's
+    ``ru_maxrss``, so every row would report at least this script's own peak."""
+    status, peak = Path(f"/proc/{process.pid}/status"), 0
+    while process.poll() is None:
+        try:
+            line = next(s for s in status.read_text().splitlines() if s.startswith("VmHWM:"))
+            peak = max(peak, int(line.split()[1]) * 1024)
+        except (OSError, StopIteration):
+            pass
+        time.sleep(0.2)
+    return peak
 
 
 # llm-compressor linearizes the fused routed experts of an architecture it has no per-expert load

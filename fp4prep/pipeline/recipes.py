@@ -150,9 +150,10 @@ class Recipe:
 RECIPES: dict[str, Recipe] = {
     "nvfp4": Recipe(
         FORMATS["nvfp4"],
-        # Activation order measured mixed here (60 conversations: KL 0.052 -> 0.047; the job's 16:
-        # 0.055 -> 0.077): off until it wins on both.
-        steps=(AwqSearch(alpha_step=0.5), Gptq(hessian_stride=2)),
+        # GPTQ in activation order (the inputs that weigh most rounded first): on 60 held-back
+        # conversations KL on answers 0.052 -> 0.048 on the dense demo's sentiment adapter, 0.057 ->
+        # 0.043 on the MoE demo's: benchmarks/peers.py (fp4prep-other-order).
+        steps=(AwqSearch(alpha_step=0.5), Gptq(hessian_stride=2, activation_order=True)),
         thresholds=Thresholds(
             continuation_top1=0.9, answer_kl=0.3, identical_greedy=0.5, adapter_retention=0.5, reload_max_logit_diff=1e-3
         ),
