@@ -12,7 +12,11 @@ fp4prep's recipe calibrates on (the demo's conversations and general text, 16 ×
 - ``autoround``, ``autoround-fast``: Intel's AutoRound (its default 200 iterations; 50);
 - ``fp4prep``: the local command (``fp4prep quantize``) on the base and the adapter, as a user runs it;
   ``fp4prep-other-order``: the same job with the recipe's GPTQ in the other column order (activation
-  order where the recipe keeps stored order, and back), to decide it on every adapter.
+  order where the recipe keeps stored order, and back), to decide it on every adapter;
+  ``fp4prep-nearest-exponents``: MXFP4 with GPTQ on compressed-tensors' block exponents (each block's
+  largest value rounded to the nearest power of two); ``fp4prep-best-exponents``: of each block's
+  two candidate powers, the one whose rounding moves the outputs less; ``fp4prep-every-token``: GPTQ's Hessians from
+  every calibration token (the recipe takes every second).
 
 Every export is then scored by the same code, fp4prep's reader (each weight dequantized as vLLM
 dequantizes it, each quantized layer's input quantized as vLLM quantizes it for the format),
@@ -63,6 +67,9 @@ QUANTIZERS = {
     "autoround-fast": ("autoround", "fast"),
     "fp4prep": ("fp4prep", "recipe"),
     "fp4prep-other-order": ("fp4prep", "other-order"),
+    "fp4prep-nearest-exponents": ("fp4prep", "nearest-exponents"),
+    "fp4prep-every-token": ("fp4prep", "every-token"),
+    "fp4prep-best-exponents": ("fp4prep", "best-exponents"),
 }
 # Each tool's name for the format, as fp4prep writes it (NVFP4: weights and inputs; MXFP4: weights).
 SCHEMES = {"llmcompressor": {"nvfp4": "NVFP4", "mxfp4": "MXFP4A16"}, "autoround": {"nvfp4": "NVFP4", "mxfp4": "MXFP4A16"}}
@@ -78,16 +85,21 @@ run(PipelineConfig(base_dir=merged, output_dir=out, quantization=fmt, calibratio
                    recipe=recipe, quality_gate=False))
 """
 
-# fp4prep's job with the recipe's GPTQ rounding its columns in the other order.
-OTHER_ORDER = """
+# fp4prep's job with the recipe's GPTQ changed: its columns rounded in the other order, or MXFP4's
+# block exponents by compressed-tensors' rule.
+CANDIDATE = """
 import dataclasses, sys
 from pathlib import Path
 from fp4prep.pipeline import PipelineConfig, run
 from fp4prep.pipeline.recipes import Gptq, recipe_for
-base, adapter, fmt, calibration, out = sys.argv[1:]
+base, adapter, fmt, calibration, out, candidate = sys.argv[1:]
 recipe = recipe_for(fmt)
-flip = lambda s: dataclasses.replace(s, activation_order=not s.activation_order) if isinstance(s, Gptq) else s
-recipe = dataclasses.replace(recipe, steps=tuple(flip(s) for s in recipe.steps))
+change = {"other-order": lambda s: {"activation_order": not s.activation_order},
+          "nearest-exponents": lambda s: {"mx_exponents": "nearest"},
+          "best-exponents": lambda s: {"mx_exponents": "best"},
+          "every-token": lambda s: {"hessian_stride": 1}}[candidate]
+recipe = dataclasses.replace(
+    recipe, steps=tuple(dataclasses.replace(s, **change(s)) if isinstance(s, Gptq) else s for s in recipe.steps))
 run(PipelineConfig(base_dir=Path(base), adapter_dir=Path(adapter), output_dir=Path(out), quantization=fmt,
                    calibration_file=Path(calibration), recipe=recipe, quality_gate=False))
 """
@@ -184,8 +196,9 @@ def quantize(case: Case, quantizer: str, fmt: str, out: Path) -> dict[str, Any]:
         command = [str(ROOT / ".venv" / "bin" / "fp4prep"), "quantize", "--model-id", str(a.base_dir), "--adapter-directory",
                    str(a.adapter_dir), "--output-directory", str(out), "-c", str(a.calibration_file), "--quantization", fmt,
                    "--no-quality-gate", "--quiet"]
-    elif method == "other-order":
-        command = [sys.executable, "-c", OTHER_ORDER, str(a.base_dir), str(a.adapter_dir), fmt, str(a.calibration_file), str(out)]
+    elif tool == "fp4prep":
+        command = [sys.executable, "-c", CANDIDATE, str(a.base_dir), str(a.adapter_dir), fmt, str(a.calibration_file), str(out),
+                   method]
     elif tool == "modelopt":
         command = [sys.executable, "-c", MODELOPT_DEFAULT, str(case.merged), fmt, str(case.assets.calibration_file), str(out)]
     else:

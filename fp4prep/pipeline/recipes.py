@@ -68,12 +68,18 @@ class Gptq:
     # Round the input columns with the largest Hessian diagonal first (GPTQ's activation order),
     # each on its own block's scale; False: in the order they are stored.
     activation_order: bool = False
+    # MXFP4 only, each block's power of two (``gptq.mxfp4_steps``): "ceil", the smallest that holds
+    # the whole block; "nearest", compressed-tensors' (its largest value rounded to the nearest
+    # power); "best", of the ceiling's and the finer one, the one whose rounding moves outputs less.
+    mx_exponents: str = "ceil"
 
     def check(self) -> None:
         if self.hessian_stride < 1:
             raise ValueError(f"Gptq.hessian_stride must be at least 1, not {self.hessian_stride}")
         if not 0 < self.damp <= 1:
             raise ValueError(f"Gptq.damp must be in (0, 1], not {self.damp}")
+        if self.mx_exponents not in ("ceil", "nearest", "best"):
+            raise ValueError(f"Gptq.mx_exponents is 'ceil', 'nearest' or 'best', not {self.mx_exponents!r}")
 
 
 Step = AwqSearch | Gptq
@@ -103,6 +109,9 @@ class Recipe:
             raise ValueError(f"{self.format.name} is max-calibrated: its recipe takes no steps")
         if self.calibrate_for not in (None, MXFP4_W4A4.key) or (self.calibrate_for and self.format.name != "mxfp4"):
             raise ValueError(f"{self.format.name} can't be calibrated for {self.calibrate_for!r}")
+        gptq = self.gptq
+        if gptq is not None and gptq.mx_exponents != "ceil" and self.format.block_scale != "e8m0":
+            raise ValueError(f"{self.format.name} has no power-of-two block scales to choose")
         if self.fp8_modules and self.format.name != "nvfp4":
             # vLLM's ModelOpt mixed-precision loader reads FP8 and NVFP4 layers, not MXFP4 ones.
             raise ValueError(f"{self.format.name} keeps no projections in FP8: only NVFP4 mixes with FP8")
@@ -140,6 +149,9 @@ class Recipe:
             words += ", then GPTQ against " + ("static weight scales" if self.static_weight_scales else "each block's own scale")
             if self.gptq.activation_order:
                 words += " in activation order"
+            if self.gptq.mx_exponents != "ceil":
+                words += {"nearest": ", each block's power of two the nearest to its largest value",
+                          "best": ", each block's power of two the one of two that rounds it best"}[self.gptq.mx_exponents]
         if self.calibrate_for == MXFP4_W4A4.key:
             words += ", with the inputs quantized to MXFP4 as vLLM does on Blackwell"
         if self.fp8_modules:

@@ -158,6 +158,8 @@ def test_max_calibrated_awq_checkpoints_have_block_scales_that_fit_their_weights
         ("nvfp4", (AwqSearch(alpha_step=0),), r"alpha_step must be in \(0, 1\]"),
         ("mxfp4", (Gptq(hessian_stride=0),), "hessian_stride must be at least 1"),
         ("nvfp4", ("gptq",), "a recipe's steps are AwqSearch and Gptq"),
+        ("nvfp4", (Gptq(mx_exponents="nearest"),), "nvfp4 has no power-of-two block scales to choose"),
+        ("mxfp4", (Gptq(mx_exponents="round"),), "Gptq.mx_exponents is 'ceil', 'nearest' or 'best', not 'round'"),
     ],
 )
 def test_a_recipe_that_cannot_run_is_refused_when_it_is_built(fmt: str, steps: tuple[Any, ...], message: str) -> None:

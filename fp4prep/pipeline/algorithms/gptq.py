@@ -192,7 +192,9 @@ class _ExpertSlice:
 
 
 @torch.no_grad()
-def quantize_experts(hessians: ExpertHessians, damp: float, order: bool = False) -> dict[str, list[int]]:
+def quantize_experts(
+    hessians: ExpertHessians, damp: float, order: bool = False, exponents: str = "ceil"
+) -> dict[str, list[int]]:
     """GPTQ on each gathered expert projection whose Hessian came from at least as many tokens as
     its input width; the others keep their max-calibrated weights. Returns, per expert module, the
     projections rounded and those kept: ``[rounded, kept]``."""
@@ -210,7 +212,7 @@ def quantize_experts(hessians: ExpertHessians, damp: float, order: bool = False)
                 quantizer = quantizers[expert]
                 if not (_is_mxfp4(quantizer) or static_scales(quantizer)):
                     raise PipelineError(f"GPTQ needs static NVFP4 weight scales; {name}.{proj}[{expert}] has dynamic ones")
-                _update([_ExpertSlice(weight.data[expert], quantizer)], entry.hessian / entry.tokens, damp, order)
+                _update([_ExpertSlice(weight.data[expert], quantizer)], entry.hessian / entry.tokens, damp, order, exponents)
                 count[0] += 1
     return counts
 
@@ -222,7 +224,8 @@ def _is_mxfp4(quantizer: Any) -> bool:
 
 @torch.no_grad()
 def quantize_layer(
-    layer: torch.nn.Module, hessians: Hessians, prefix: str, factors: Factors, damp: float, order: bool = False
+    layer: torch.nn.Module, hessians: Hessians, prefix: str, factors: Factors, damp: float, order: bool = False,
+    exponents: str = "ceil",
 ) -> list[GroupError]:
     """Weight scales for the (folded) layer, then GPTQ's rounding of its weights.
 
@@ -254,7 +257,7 @@ def quantize_layer(
             hessian = hessian * c[:, None] * c[None, :]
         modules = [hessians.modules[n] for n in entry.names]
         before = [m.weight.detach().clone() for m in modules]
-        _update(modules, hessian, damp, order)
+        _update(modules, hessian, damp, order, exponents)
         moved = [output_error(w, m.weight, hessian) for w, m in zip(before, modules, strict=True)]
         errors.append(GroupError(
             tuple(prefix + n for n in entry.names), sum(e for e, _ in moved), sum(r for _, r in moved),
@@ -263,11 +266,14 @@ def quantize_layer(
     return errors
 
 
-def _update(modules: list[Any], hessian: torch.Tensor, damp: float, order: bool = False) -> None:
+def _update(
+    modules: list[Any], hessian: torch.Tensor, damp: float, order: bool = False, exponents: str = "ceil"
+) -> None:
     """GPTQ on the modules that read one input, their rows stacked into one matrix; with ``order``,
     in activation order: the input columns with the Hessian's largest diagonal rounded first, so that
     the rounding errors of the inputs that weigh most are spread over all the others, each column
-    still on its own block's scale (fixed before, from the weights in their stored order)."""
+    still on its own block's scale (fixed before, from the weights in their stored order). MXFP4
+    blocks take their power of two by ``exponents`` (``mxfp4_steps``)."""
     weights = [m.weight.detach().float() for m in modules]
     weight = torch.cat(weights)
     device = weight.device
@@ -277,7 +283,7 @@ def _update(modules: list[Any], hessian: torch.Tensor, damp: float, order: bool 
     mxfp4 = _is_mxfp4(quantizers[0])
     if order or mxfp4 or not _fused_nvfp4(weight, weights, quantizers, hessian, damp, group):
         scales = (
-            torch.exp2(mxfp4_exponents(weight, group)) if mxfp4 else _nvfp4_scales(weights, quantizers, group)
+            mxfp4_steps(weight, group, hessian, exponents) if mxfp4 else _nvfp4_scales(weights, quantizers, group)
         )
         weight = gptq_rounding(weight, hessian, scales, group, damp, order)
     start = 0
@@ -304,6 +310,24 @@ def gptq_rounding(
     h_inv = compute_hessian_inverse(hessian[permutation][:, permutation], permuted, damp)
     gptq_update(permuted, h_inv, scales.repeat_interleave(group, 1)[:, permutation].contiguous(), group, BLOCK)
     return permuted[:, torch.argsort(permutation)]
+
+
+def mxfp4_steps(weight: torch.Tensor, group: int, hessian: torch.Tensor, exponents: str) -> torch.Tensor:
+    """Each MXFP4 block's step (one per ``group`` columns): ``ceil``, the smallest power of two that
+    holds the whole block; ``nearest``, compressed-tensors' rule (``mxfp4_exponents``); ``best``, of
+    the ceiling's step and the next finer one (its largest values saturating), the one whose
+    rounding to nearest moves the outputs less, each column's error weighted by its input's energy
+    (the Hessian's diagonal)."""
+    if exponents != "best":
+        return torch.exp2(mxfp4_exponents(weight, group, nearest=exponents == "nearest"))
+    coarse = torch.exp2(mxfp4_exponents(weight, group))
+    energy = hessian.diagonal().float().reshape(1, -1, group)
+    blocks = weight.float().reshape(weight.shape[0], -1, group)
+
+    def error(step: torch.Tensor) -> torch.Tensor:
+        return ((quantize_to_scales(blocks, step.unsqueeze(-1)) - blocks).square() * energy).sum(-1)
+
+    return torch.where(error(coarse / 2) < error(coarse), coarse / 2, coarse)
 
 
 def _nvfp4_scales(weights: list[torch.Tensor], quantizers: list[Any], group: int) -> torch.Tensor:

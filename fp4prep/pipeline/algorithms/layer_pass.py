@@ -102,7 +102,9 @@ class LayerPass:
             factors.update(fold.fold_layer(layer, prefix))
         errors: list[GroupError] = []
         if self.gptq and hessians is not None:
-            errors = gptq.quantize_layer(layer, hessians, prefix, factors, self.gptq.damp, self.gptq.activation_order)
+            errors = gptq.quantize_layer(
+                layer, hessians, prefix, factors, self.gptq.damp, self.gptq.activation_order, self.gptq.mx_exponents
+            )
         self._record(index, factors, rounded, errors)
         if self.measure_layers:
             self.layer_errors[prefix] = _layer_error(layer, forward_loop)
@@ -130,7 +132,7 @@ class LayerPass:
                 total[0] += done
                 total[1] += kept
 
-        add(gptq.quantize_experts(first, self.gptq.damp, self.gptq.activation_order))
+        add(gptq.quantize_experts(first, self.gptq.damp, self.gptq.activation_order, self.gptq.mx_exponents))
         for chunk in rest:
             collector = gptq.ExpertHessians(layer, 1, chunk)
             try:
@@ -138,7 +140,7 @@ class LayerPass:
                     forward_loop(layer)
             finally:
                 collector.remove()
-            add(gptq.quantize_experts(collector, self.gptq.damp, self.gptq.activation_order))
+            add(gptq.quantize_experts(collector, self.gptq.damp, self.gptq.activation_order, self.gptq.mx_exponents))
         return totals
 
     def _record(

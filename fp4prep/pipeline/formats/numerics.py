@@ -104,10 +104,16 @@ def static_nvfp4_fake_quant(
     return out.reshape(x.shape).to(out_dtype or x.dtype)
 
 
-def mxfp4_exponents(x: torch.Tensor, block_size: int) -> torch.Tensor:
-    """Unbiased E8M0 exponents per block: ``ceil(log2(amax / 6))``, floored at -127."""
+def mxfp4_exponents(x: torch.Tensor, block_size: int, nearest: bool = False) -> torch.Tensor:
+    """Unbiased E8M0 exponents per block, floored at -127: ``ceil(log2(amax / 6))``, the smallest
+    step that holds every value of the block; with ``nearest``, the block's largest value rounded
+    to the nearest power of two (up from a mantissa of 1.75) less E2M1's 2, compressed-tensors'
+    rule: a block whose largest value lies between 6 and 7 of the finer steps keeps the finer
+    grid, the largest value saturating at 6 steps."""
     block_amax = _blocks(x, block_size).float().abs().amax(dim=-1)
     floor = torch.tensor(-127.0, device=x.device)
+    if nearest:
+        return torch.floor(torch.maximum(torch.log2(block_amax / 1.75), floor + 1)) - 1
     return torch.ceil(torch.maximum(torch.log2(block_amax / E2M1_MAX), floor))
 
 

@@ -94,6 +94,26 @@ def test_activation_order_rounds_the_loud_inputs_first_and_keeps_each_block_on_i
     assert errors[True] < 0.9 * errors[False]
 
 
+def test_mxfp4_best_steps_keep_whichever_of_two_powers_rounds_each_block_with_less_output_error() -> None:
+    """``best``: per block, the ceiling's step or the next finer one (its loudest values saturating),
+    whichever moves the outputs less; never worse than either rule alone, and it does pick each."""
+    generator = torch.Generator().manual_seed(0)
+    weight = torch.randn(256, 128, generator=generator) * 0.4
+    weight[:128, ::32] = 3.2  # one value just past the finer grid's 3: saturating it costs little
+    weight[128:, :] = torch.where(weight[128:, :] > 0, 5.5, -5.5)  # every value near 6: the coarse grid's
+    energy = torch.rand(128, generator=generator) + 0.5
+    hessian = torch.diag(energy)
+
+    def error(steps: torch.Tensor) -> torch.Tensor:
+        blocks = weight.reshape(256, 4, 32)
+        return ((numerics.quantize_to_scales(blocks, steps[..., None]) - blocks).square() * energy.reshape(1, 4, 32)).sum(-1)
+
+    steps = {rule: gptq.mxfp4_steps(weight, 32, hessian, rule) for rule in ("ceil", "nearest", "best")}
+    assert torch.all(error(steps["best"]) <= torch.minimum(error(steps["ceil"]), error(steps["nearest"])) + 1e-6)
+    assert torch.all(steps["best"][:128] == steps["ceil"][:128] / 2) and torch.all(steps["best"][128:] == steps["ceil"][128:])
+    assert torch.equal(steps["nearest"], torch.exp2(numerics.mxfp4_exponents(weight, 32, nearest=True)))
+
+
 def _one_input(module: nn.Module, x: torch.Tensor) -> gptq.Hessians:
     """``module``'s Hessians, gathered from ``x`` in one batch."""
     from modelopt.torch.quantization.conversion import set_quantizer_by_cfg_context

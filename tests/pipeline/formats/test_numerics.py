@@ -105,6 +105,21 @@ def test_e2m1_rounds_half_to_even_for_nvfp4_and_down_for_mxfp4() -> None:
     assert numerics.e2m1_round(mids, ties_to_even=False).tolist() == [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0]
 
 
+def test_mxfp4_nearest_exponents_are_compressed_tensors_block_scales() -> None:
+    """``nearest``: compressed-tensors' E8M0 rule (the block's largest value to the nearest power of
+    two, up from a mantissa of 1.75, less E2M1's 2); the default: the smallest step holding the block."""
+    from compressed_tensors.quantization.utils.mxfp_utils import generate_mx_scales
+
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(512, 64, generator=generator) * torch.logspace(-6, 3, 512).unsqueeze(1)
+    x[:3, :32] = 0
+    x[:3, 0] = torch.tensor([6.5, 7.0, 6.0])  # between 6 and 7 steps of 1: the finer grid; 7: the coarser
+    amax = x.reshape(-1, 32).abs().amax(-1)
+    assert torch.equal(numerics.mxfp4_exponents(x, 32, nearest=True).flatten(), generate_mx_scales(amax) - 127)
+    assert numerics.mxfp4_exponents(x, 32, nearest=True).flatten()[[0, 2, 4]].tolist() == [0.0, 1.0, 0.0]
+    assert numerics.mxfp4_exponents(x, 32).flatten()[[0, 2, 4]].tolist() == [1.0, 1.0, 0.0]
+
+
 def test_fp8_matches_what_modelopts_export_writes_and_engines_read() -> None:
     w = tensors()[0].to(torch.bfloat16)
     amax = w.abs().amax(dim=1, keepdim=True)
