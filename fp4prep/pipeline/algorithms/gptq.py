@@ -38,7 +38,7 @@ import torch
 from ..errors import PipelineError
 from ..formats import of_quantizer
 from ..formats.compiled import Compiled
-from ..formats.numerics import E4M3_MAX, mxfp4_exponents, quantize_to_scales, static_nvfp4_scales
+from ..formats.numerics import E4M3_MAX, mxfp4_steps, quantize_to_scales, static_nvfp4_scales
 from .fold import Factors, calibrate_weights, static_scales
 from .mixed import GroupError, e2m1, output_error
 
@@ -266,14 +266,9 @@ def quantize_layer(
     return errors
 
 
-def _update(
-    modules: list[Any], hessian: torch.Tensor, damp: float, order: bool = False, exponents: str = "ceil"
-) -> None:
-    """GPTQ on the modules that read one input, their rows stacked into one matrix; with ``order``,
-    in activation order: the input columns with the Hessian's largest diagonal rounded first, so that
-    the rounding errors of the inputs that weigh most are spread over all the others, each column
-    still on its own block's scale (fixed before, from the weights in their stored order). MXFP4
-    blocks take their power of two by ``exponents`` (``mxfp4_steps``)."""
+def _update(modules: list[Any], hessian: torch.Tensor, damp: float, order: bool = False, exponents: str = "ceil") -> None:
+    """GPTQ on the modules that read one input, their rows stacked into one matrix; ``order``,
+    ``exponents``: ``gptq_rounding``'s column order, ``numerics.mxfp4_steps``' rule for MXFP4 blocks."""
     weights = [m.weight.detach().float() for m in modules]
     weight = torch.cat(weights)
     device = weight.device
@@ -283,7 +278,7 @@ def _update(
     mxfp4 = _is_mxfp4(quantizers[0])
     if order or mxfp4 or not _fused_nvfp4(weight, weights, quantizers, hessian, damp, group):
         scales = (
-            mxfp4_steps(weight, group, hessian, exponents) if mxfp4 else _nvfp4_scales(weights, quantizers, group)
+            mxfp4_steps(weight, group, exponents, hessian.diagonal()) if mxfp4 else _nvfp4_scales(weights, quantizers, group)
         )
         weight = gptq_rounding(weight, hessian, scales, group, damp, order)
     start = 0
@@ -310,24 +305,6 @@ def gptq_rounding(
     h_inv = compute_hessian_inverse(hessian[permutation][:, permutation], permuted, damp)
     gptq_update(permuted, h_inv, scales.repeat_interleave(group, 1)[:, permutation].contiguous(), group, BLOCK)
     return permuted[:, torch.argsort(permutation)]
-
-
-def mxfp4_steps(weight: torch.Tensor, group: int, hessian: torch.Tensor, exponents: str) -> torch.Tensor:
-    """Each MXFP4 block's step (one per ``group`` columns): ``ceil``, the smallest power of two that
-    holds the whole block; ``nearest``, compressed-tensors' rule (``mxfp4_exponents``); ``best``, of
-    the ceiling's step and the next finer one (its largest values saturating), the one whose
-    rounding to nearest moves the outputs less, each column's error weighted by its input's energy
-    (the Hessian's diagonal)."""
-    if exponents != "best":
-        return torch.exp2(mxfp4_exponents(weight, group, nearest=exponents == "nearest"))
-    coarse = torch.exp2(mxfp4_exponents(weight, group))
-    energy = hessian.diagonal().float().reshape(1, -1, group)
-    blocks = weight.float().reshape(weight.shape[0], -1, group)
-
-    def error(step: torch.Tensor) -> torch.Tensor:
-        return ((quantize_to_scales(blocks, step.unsqueeze(-1)) - blocks).square() * energy).sum(-1)
-
-    return torch.where(error(coarse / 2) < error(coarse), coarse / 2, coarse)
 
 
 def _nvfp4_scales(weights: list[torch.Tensor], quantizers: list[Any], group: int) -> torch.Tensor:

@@ -117,6 +117,25 @@ def mxfp4_exponents(x: torch.Tensor, block_size: int, nearest: bool = False) -> 
     return torch.ceil(torch.maximum(torch.log2(block_amax / E2M1_MAX), floor))
 
 
+def mxfp4_steps(x: torch.Tensor, block_size: int, rule: str = "ceil", energy: torch.Tensor | None = None) -> torch.Tensor:
+    """Each block's MXFP4 step (a power of two per ``block_size`` values of a row): ``ceil``, the
+    smallest that holds the whole block; ``nearest``, compressed-tensors' rule (``mxfp4_exponents``);
+    ``best``, of the ceiling's step and the next finer one (the block's largest values saturating),
+    the one whose rounding to nearest errs less, each column's squared error weighted by ``energy``
+    (its input's: the Hessian's diagonal, so the one that moves the outputs less)."""
+    if rule != "best":
+        return torch.exp2(mxfp4_exponents(x, block_size, nearest=rule == "nearest"))
+    coarse = torch.exp2(mxfp4_exponents(x, block_size))
+    blocks = _blocks(x, block_size).float()
+    weights = torch.ones(x.shape[-1], device=x.device) if energy is None else energy.float()
+    weights = _blocks(weights, block_size)
+
+    def error(step: torch.Tensor) -> torch.Tensor:
+        return ((quantize_to_scales(blocks, step.unsqueeze(-1)) - blocks).square() * weights).sum(-1)
+
+    return torch.where(error(coarse / 2) < error(coarse), coarse / 2, coarse)
+
+
 @compiled(rows_vary=True)
 def mxfp4_fake_quant(x: torch.Tensor, block_size: int) -> torch.Tensor:
     """MXFP4 quantize-dequantize: E2M1 values with a power-of-two (E8M0) scale per block."""

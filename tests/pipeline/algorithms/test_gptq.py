@@ -101,14 +101,13 @@ def test_mxfp4_best_steps_keep_whichever_of_two_powers_rounds_each_block_with_le
     weight = torch.randn(256, 128, generator=generator) * 0.4
     weight[:128, ::32] = 3.2  # one value just past the finer grid's 3: saturating it costs little
     weight[128:, :] = torch.where(weight[128:, :] > 0, 5.5, -5.5)  # every value near 6: the coarse grid's
-    energy = torch.rand(128, generator=generator) + 0.5
-    hessian = torch.diag(energy)
+    energy = torch.rand(128, generator=generator) + 0.5  # each column's input energy (a Hessian's diagonal)
 
     def error(steps: torch.Tensor) -> torch.Tensor:
         blocks = weight.reshape(256, 4, 32)
         return ((numerics.quantize_to_scales(blocks, steps[..., None]) - blocks).square() * energy.reshape(1, 4, 32)).sum(-1)
 
-    steps = {rule: gptq.mxfp4_steps(weight, 32, hessian, rule) for rule in ("ceil", "nearest", "best")}
+    steps = {rule: numerics.mxfp4_steps(weight, 32, rule, energy) for rule in ("ceil", "nearest", "best")}
     assert torch.all(error(steps["best"]) <= torch.minimum(error(steps["ceil"]), error(steps["nearest"])) + 1e-6)
     assert torch.all(steps["best"][:128] == steps["ceil"][:128] / 2) and torch.all(steps["best"][128:] == steps["ceil"][128:])
     assert torch.equal(steps["nearest"], torch.exp2(numerics.mxfp4_exponents(weight, 32, nearest=True)))
