@@ -68,7 +68,7 @@ class Gptq:
     # Round the input columns with the largest Hessian diagonal first (GPTQ's activation order),
     # each on its own block's scale; False: in the order they are stored.
     activation_order: bool = False
-    # MXFP4 only, each block's power of two (``gptq.mxfp4_steps``): "ceil", the smallest that holds
+    # MXFP4 only, each block's power of two (``numerics.mxfp4_steps``): "ceil", the smallest that holds
     # the whole block; "nearest", compressed-tensors' (its largest value rounded to the nearest
     # power); "best", of the ceiling's and the finer one, the one whose rounding moves outputs less.
     mx_exponents: str = "ceil"
