@@ -125,6 +125,20 @@ def write_vectors(out: Path) -> None:
         kept = (processed.view(torch.uint8) != 0).reshape(-1, 4)[:, [0, 2, 1, 3]].reshape(scales.shape)  # its [0,2,1,3] undone
         tensors[f"marlin.{i}.scales"], tensors[f"marlin.{i}.factor"] = scales, torch.tensor(float(factor))
         tensors[f"marlin.{i}.kept"] = kept
+    # A dense FP8 layer's product as vLLM's CPU kernel computes it (``ChannelWiseTorchFP8ScaledMMLinearKernel``:
+    # ``torch._scaled_mm`` of the codes, then the token and channel scales), on weights whose rows'
+    # magnitudes span three decades.
+    from vllm.model_executor.kernels.linear.scaled_mm.pytorch import ChannelWiseTorchFP8ScaledMMLinearKernel
+
+    w = torch.randn(256, 1024, generator=g) * torch.logspace(-3, 0, 256).unsqueeze(-1)
+    w_scale = (w.abs().amax(dim=-1, keepdim=True) / 448.0).to(torch.float32)
+    tensors["fp8.linear.weight"] = (w / w_scale).to(torch.float8_e4m3fn)
+    tensors["fp8.linear.weight_scale"] = w_scale.reshape(-1)
+    q, scale = quant.forward_native(x)
+    tensors["fp8.linear.out"] = ChannelWiseTorchFP8ScaledMMLinearKernel.apply_scaled_mm(
+        None, A=q, B=tensors["fp8.linear.weight"].t(), out_dtype=x.dtype, As=scale, Bs=w_scale, bias=None,  # type: ignore[arg-type]
+        output_shape=[x.shape[0], w.shape[0]],
+    )
     out.parent.mkdir(parents=True, exist_ok=True)
     save_file(tensors, out, metadata={"vllm": VLLM})
     print(f"wrote {out} ({out.stat().st_size // 1024} KiB): vLLM {VLLM}'s outputs on {tuple(x.shape)} BF16 inputs")

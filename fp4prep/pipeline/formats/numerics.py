@@ -151,14 +151,19 @@ def fp8_fake_quant(x: torch.Tensor, amax: torch.Tensor) -> torch.Tensor:
     The division by the scale, not a multiplication by its inverse, is what ModelOpt's export
     writes and what engines undo with ``fp8 * scale``; the difference shows in BF16.
     """
+    q, scale = fp8_codes(x, amax)
+    return (q.float() * scale).to(x.dtype)
+
+
+def fp8_codes(x: torch.Tensor, amax: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The E4M3 codes ModelOpt's export writes for ``x`` and their FP32 scale ``amax / 448``."""
     amax = amax.float()
     scale = torch.where(amax > 0, amax / E4M3_MAX, torch.ones_like(amax))
     # One scale for the whole tensor (0-d): the export divides the weight cast to BF16 (it writes
     # BF16) and the division keeps BF16 (a 0-d float32 tensor does not promote a BF16 one), so the
     # quotient rounds to BF16, then to E4M3; where the model computes in FP32, the same.
     scaled = x.to(torch.bfloat16) / scale if scale.dim() == 0 else x.float() / scale
-    q = scaled.clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
-    return (q.float() * scale).to(x.dtype)
+    return scaled.clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn), scale
 
 
 # --- the stored form -------------------------------------------------------------------------------

@@ -15,18 +15,19 @@ backend keeps the last few quantizations it made, for the projections that read 
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from ..formats.engine import (
+    fp8_linear,
     fp8_per_token_activations,
     fp8_static_activations,
     mxfp4_activations,
     nvfp4_activations,
     nvfp4_global_scale_of,
 )
-from ..formats.numerics import E4M3_MAX, fp8_fake_quant, mxfp4_fake_quant, nvfp4_fake_quant
+from ..formats.numerics import E4M3_MAX, fp8_codes, fp8_fake_quant, mxfp4_fake_quant, nvfp4_fake_quant
 
 if TYPE_CHECKING:
     from modelopt.torch.quantization.nn import TensorQuantizer
@@ -75,6 +76,27 @@ class InputBackend:
             return mxfp4_activations(inputs)
         global_scale = nvfp4_global_scale_of(_amax(quantizer.amax, inputs))
         return self.recent.get_or_make(inputs, block_size, global_scale)
+
+
+def is_fp8_gemm(module: torch.nn.Module) -> bool:
+    """Whether ``module`` is a quantized linear layer the engine computes with its FP8 product:
+    E4M3 weights with one scale per output channel, E4M3 inputs quantized per token as they come."""
+    weights, inputs = getattr(module, "weight_quantizer", None), getattr(module, "input_quantizer", None)
+    if weights is None or inputs is None or not (weights.is_enabled and inputs.is_enabled):
+        return False
+    amax = getattr(weights, "_amax", None)
+    return (
+        tuple(weights.num_bits) == tuple(inputs.num_bits) == (4, 3)
+        and amax is not None and amax.numel() > 1 and getattr(inputs, "_amax", None) is None
+    )
+
+
+def fp8_gemm_forward(module: Any, x: torch.Tensor) -> torch.Tensor:
+    """A calibrated FP8 layer's output as the engine computes it from the checkpoint's codes
+    (``formats.engine.fp8_linear``), for comparison with the independent reload bit for bit."""
+    weight: torch.Tensor = module._parameters["weight"]  # the weight itself, not ModelOpt's fake-quantized view
+    codes, scale = fp8_codes(weight, module.weight_quantizer._amax.to(weight.device))
+    return fp8_linear(x, codes, scale, module.bias)
 
 
 def _amax(calibrated: torch.Tensor | None, inputs: torch.Tensor) -> torch.Tensor:

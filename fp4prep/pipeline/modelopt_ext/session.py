@@ -26,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import Any, Literal
 
@@ -68,7 +69,8 @@ class Session:
         engine's (inputs), as fp4prep's backends compute them.
 
         On the CPU they already run them; on CUDA, ModelOpt's kernels calibrated the weights and
-        this makes the model bit-comparable with the checkpoint's independent reload.
+        this makes the model bit-comparable with the checkpoint's independent reload. Dense FP8
+        layers then compute their product as the engine does (``backend.fp8_gemm_forward``).
         """
         from modelopt.torch.quantization.nn import TensorQuantizer
 
@@ -76,6 +78,10 @@ class Session:
         for name, module in model.named_modules():
             if isinstance(module, TensorQuantizer) and module.is_enabled and backend.handles(module.num_bits):
                 module.backend = backend.INPUTS if name.endswith("input_quantizer") else backend.NAME
+            elif backend.is_fp8_gemm(module):
+                # The engine multiplies an FP8 layer's codes and applies the scales after.
+                module.forward = partial(backend.fp8_gemm_forward, module)
+                self._undo.append(partial(vars(module).pop, "forward", None))
 
     def keep_block_scales(self, model: torch.nn.Module, directory: Path) -> BlockScales:
         """From now on a decoder layer's block scales are in memory only while the layer is."""

@@ -22,6 +22,7 @@ from ..device import Compute
 from ..formats import ROUTED_EXPERTS, declared
 from ..formats.engine import (
     engine_layers,
+    fp8_linear,
     fp8_per_token_activations,
     fp8_static_activations,
     mxfp4_activations,
@@ -60,6 +61,9 @@ class DequantizedWeights(LazyWeights):
         self, directory: Path, dtype: torch.dtype = torch.bfloat16, device: torch.device | str = "cpu", numerics: str | None = None
     ) -> None:
         self.numerics = numerics
+        # Modules read as their E4M3 codes, not dequantized: the engine's FP8 product applies their
+        # scales after the sums (``fp8_gemms``, ``formats.engine.fp8_linear``).
+        self.as_codes: set[str] = set()
         self.config = read_config(directory)
         # Per engine layer (``layers``): Marlin's block-scale factor, the largest input scale.
         self._marlin_factors: dict[tuple[str, ...], float] = {}
@@ -106,6 +110,24 @@ class DequantizedWeights(LazyWeights):
                 experts[model] = [activations.get(parts[0].removesuffix(".weight"), _identity) for parts in per_expert]
         return linear, experts
 
+    def fp8_gemms(self) -> dict[str, str]:
+        """The model's Linear modules the engine computes with its FP8 product (E4M3 weights per
+        output channel, inputs quantized per token as they come: dense FP8 layers, also those of a
+        mixed-precision checkpoint), each with its stored module; from now on their weights are
+        read as codes (``formats.engine.fp8_linear`` applies the scales)."""
+        if self.gpt_oss is not None or not self.declared.dynamic_inputs:
+            return {}
+        names = set(self.source.names())
+        gemms = {
+            model[: -len(".weight")]: module
+            for model, stored in self.names.plain.items()
+            if stored.endswith(".weight") and (module := stored[: -len(".weight")]) in self.quantized
+            and self.source.stored_dtype(f"{module}.{self.declared.layout.packed_name}") == torch.float8_e4m3fn
+            and f"{module}.input_scale" not in names
+        }
+        self.as_codes.update(gemms.values())
+        return gemms
+
     def stored_shape(self, name: str) -> tuple[int, ...]:
         module = name.rpartition(".")[0]
         if module not in self.quantized or self.gpt_oss is not None:
@@ -124,6 +146,8 @@ class DequantizedWeights(LazyWeights):
         layout, block_scale, source = self.declared.layout, self.declared.format.block_scale, self.source
         packed = source.raw(f"{module}.{layout.packed_name}").to(self.device)
         scale = source.raw(f"{module}.weight_scale").to(self.device)
+        if module in self.as_codes:
+            return packed.to(self.dtype)  # E4M3 codes are exact in BF16 and FP32
         if packed.dtype == torch.float8_e4m3fn:  # FP8, also the FP8 layers of a mixed-precision checkpoint
             weight = dequantize_fp8(packed, scale)
         elif block_scale == "e4m3":
@@ -245,10 +269,14 @@ def load(
     (in ``numerics`` where given: the engine's on hardware that runs other than declared)."""
     weights = DequantizedWeights(directory, compute.dtype, compute.device, numerics)
     linear, experts = weights.model_activations() if quantize_activations else ({}, {})
+    fp8 = weights.fp8_gemms() if quantize_activations else {}
 
     def engine_numerics(model: torch.nn.Module) -> None:
         for name, module in model.named_modules():
-            if name in linear:
+            if name in fp8:
+                scale = partial(weights.source.raw, f"{fp8[name]}.weight_scale")
+                module.forward = lambda x, m=module, s=scale: fp8_linear(x, m.weight, s().to(x.device), m.bias)
+            elif name in linear:
                 module.register_forward_pre_hook(lambda m, args, q=linear[name]: (q(args[0]),) + tuple(args[1:]))
             gate_up = getattr(module, "gate_up_proj", None)
             gu, down = experts.get(f"{name}.gate_up_proj"), experts.get(f"{name}.down_proj")

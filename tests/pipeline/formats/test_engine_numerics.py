@@ -68,6 +68,16 @@ def test_fp8_per_token_inputs_match_vllm(vectors: dict[str, torch.Tensor]) -> No
     assert not torch.equal(numerics.fp8_fake_quant(x, x.abs().amax(-1, keepdim=True)), vectors["fp8.out"])
 
 
+def test_dense_fp8_layers_multiply_the_codes_and_scale_after_as_vllm_does(vectors: dict[str, torch.Tensor]) -> None:
+    x, weight, scale = vectors["x"], vectors["fp8.linear.weight"], vectors["fp8.linear.weight_scale"]
+    got = engine.fp8_linear(x, weight.to(torch.bfloat16), scale)  # the reader holds the codes in BF16
+    assert got.dtype == torch.bfloat16 and torch.equal(got, vectors["fp8.linear.out"])
+    # Both operands dequantized first, even in FP32, round where the kernel does not.
+    codes, token_scale = engine.fp8_per_token_codes(x)
+    dequantized = torch.nn.functional.linear(codes.float() * token_scale, numerics.dequantize_fp8(weight, scale))
+    assert not torch.equal(dequantized.to(x.dtype), vectors["fp8.linear.out"])
+
+
 def test_static_fp8_inputs_match_vllm(vectors: dict[str, torch.Tensor]) -> None:
     # Routed experts' FP8: one stored scale, some values clipped at 448 times it.
     got = engine.fp8_static_activations(vectors["x"], vectors["fp8.static.scale"])
