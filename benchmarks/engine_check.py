@@ -145,9 +145,9 @@ def write_vectors(out: Path) -> None:
 
 
 def emulated(directory: Path, compute: object) -> object:
-    """The checkpoint with every quantized linear layer computed by vLLM's emulation."""
+    """The checkpoint with every quantized linear layer computed by vLLM's emulation functions (FP8: its
+    kernels' arithmetic, with its input quantization)."""
     import torch
-    import torch.nn.functional as F
     from vllm.config import VllmConfig, set_current_vllm_config
     from vllm.model_executor.layers.quantization.input_quant_fp8 import QuantFP8
     from vllm.model_executor.layers.quantization.utils.nvfp4_emulation_utils import run_nvfp4_emulations
@@ -173,11 +173,11 @@ def emulated(directory: Path, compute: object) -> object:
         return out.reshape(*x.shape[:-1], -1)
 
     def fp8(name: str, x: torch.Tensor) -> torch.Tensor:
+        # vLLM's FP8 kernels: the codes multiplied, then the token and channel scales.
         weight, scale = source.raw(f"{name}.weight"), source.raw(f"{name}.weight_scale").float()
-        flat = x.reshape(-1, x.shape[-1])
-        q, q_scale = fp8_input.forward_native(flat)
-        w = (weight.float() * scale.reshape(-1, 1)).to(x.dtype)
-        return F.linear((q.float() * q_scale).to(x.dtype), w).reshape(*x.shape[:-1], -1)
+        q, q_scale = fp8_input.forward_native(x.reshape(-1, x.shape[-1]))
+        out = (q.float() @ weight.float().T) * q_scale * scale.reshape(1, -1)
+        return out.to(x.dtype).reshape(*x.shape[:-1], -1)
 
     for name, module in model.named_modules():
         if not isinstance(module, torch.nn.Linear) or f"{name}.weight_scale" not in stored:
@@ -365,30 +365,13 @@ def expert_arithmetic(layer: object) -> tuple[object, object, object, object, st
     (its kernels are Triton's, for CUDA): each expert's gate/up and down weights dequantized, and the
     quantization of their inputs, with vLLM's own functions. Returns (w13, w2, inputs13, inputs2, how)."""
     import torch
-    from vllm.config import VllmConfig, set_current_vllm_config
-    from vllm.model_executor.layers.quantization.input_quant_fp8 import QuantFP8
     from vllm.model_executor.layers.quantization.utils.nvfp4_emulation_utils import (
         dequantize_to_dtype,
         ref_nvfp4_quant_dequant,
     )
-    from vllm.model_executor.layers.quantization.utils.quant_utils import GroupShape
 
     method = type(layer.quant_method).__name__  # type: ignore[attr-defined]
     t = dict(layer.named_parameters())  # type: ignore[attr-defined]
-    if "Fp8" in method:
-        with set_current_vllm_config(VllmConfig()):
-            quant = QuantFP8(static=True, group_shape=GroupShape.PER_TENSOR)
-
-        def static(scale: torch.Tensor) -> object:
-            def run(x: torch.Tensor) -> torch.Tensor:
-                q, s = quant.forward_native(x, scale)
-                return (q.float() * s).to(x.dtype)
-            return run
-
-        w13 = t["w13_weight"].float() * t["w13_weight_scale"].reshape(-1, 1, 1)
-        w2 = t["w2_weight"].float() * t["w2_weight_scale"].reshape(-1, 1, 1)
-        return w13, w2, static(t["w13_input_scale"]), static(t["w2_input_scale"]), \
-            "FP8 weights times each expert's scale, inputs by QuantFP8 static per tensor (the layer's one input scale)"
     if "NvFp4" in method:
         w13 = dequantize_to_dtype(t["w13_weight"], t["w13_weight_scale"], t["w13_weight_scale_2"], torch.float32, 16, swizzle=False)
         w2 = dequantize_to_dtype(t["w2_weight"], t["w2_weight_scale"], t["w2_weight_scale_2"], torch.float32, 16, swizzle=False)
@@ -406,11 +389,54 @@ def expert_arithmetic(layer: object) -> tuple[object, object, object, object, st
 _TOLD: set[str] = set()
 
 
+def triton_fp8_experts(layer: object, act_fn: object) -> object:
+    """A transformers experts forward computing FP8 routed experts as vLLM's Triton fused-MoE kernel
+    does (``fused_moe.py``, ``fused_moe_kernel``) from the tensors its post-processing left: the
+    input quantized with the layer's one static scale (``QuantFP8``, as ``scaled_fp8_quant``), the
+    E4M3 codes multiplied with FP32 sums, then ``accumulator * a_scale * b_scale``, in the second
+    product times the routing weight, and one rounding to BF16; the activation between the two on
+    BF16, as vLLM's CPU ``SiluAndMul.forward_native`` (its CUDA kernel computes it in FP32)."""
+    import torch
+    from vllm.config import VllmConfig, set_current_vllm_config
+    from vllm.model_executor.layers.quantization.input_quant_fp8 import QuantFP8
+    from vllm.model_executor.layers.quantization.utils.quant_utils import GroupShape
+
+    with set_current_vllm_config(VllmConfig()):
+        quant = QuantFP8(static=True, group_shape=GroupShape.PER_TENSOR)
+    t = dict(layer.named_parameters())  # type: ignore[attr-defined]
+
+    def product(x: torch.Tensor, name: str, e: int, routing: torch.Tensor | None = None) -> torch.Tensor:
+        q, a_scale = quant.forward_native(x, t[f"{name}_input_scale"])
+        accumulator = (q.float() @ t[f"{name}_weight"][e].float().T) * a_scale * t[f"{name}_weight_scale"][e].float()
+        if routing is not None:
+            accumulator = accumulator * routing.float()[:, None]
+        return accumulator.to(torch.bfloat16)
+
+    def forward(hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
+        out = torch.zeros_like(hidden)
+        for e in range(t["w13_weight"].shape[0]):
+            slot, rows = torch.where((top_k_index == e).T)
+            if rows.numel() == 0:
+                continue
+            gate, up = product(hidden[rows].to(torch.bfloat16), "w13", e).chunk(2, dim=-1)
+            y = product(act_fn(gate) * up, "w2", e, top_k_weights[rows, slot])  # type: ignore[operator]
+            out.index_add_(0, rows, y.to(out.dtype))
+        return out
+
+    return forward
+
+
 def routed_experts(layer: object, act_fn: object) -> object:
     """A transformers experts forward computing each expert as vLLM's layer does (``expert_arithmetic``)."""
     import torch
     import torch.nn.functional as F
 
+    if "Fp8" in type(layer.quant_method).__name__:  # type: ignore[attr-defined]
+        how = "the Triton kernel's arithmetic: E4M3 codes multiplied, the scales and routing weight applied to the FP32 sums"
+        if how not in _TOLD:
+            _TOLD.add(how)
+            print(f"routed experts computed from vLLM's {type(layer.quant_method).__name__} tensors: {how}", flush=True)  # type: ignore[attr-defined]
+        return triton_fp8_experts(layer, act_fn)
     w13, w2, in13, in2, how = expert_arithmetic(layer)
     if how not in _TOLD:
         _TOLD.add(how)

@@ -34,7 +34,7 @@ checked against the kernel's arithmetic case by case (each branch of its scale r
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 
@@ -96,30 +96,77 @@ def fp8_per_token_activations(x: torch.Tensor) -> torch.Tensor:
     return (q.float() * scale).to(x.dtype)
 
 
-def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """A dense FP8 layer as the engine computes it: E4M3 ``weight`` codes (any dtype that holds them)
-    with one ``weight_scale`` per output channel, its input quantized per token. The codes are
-    multiplied with FP32 sums, then each token's and each channel's scale applied to the sums and
-    the result rounded once to ``x``'s dtype (vLLM's CUTLASS ``scaled_mm`` epilogue on GPUs; on its
-    CPU kernel, ``ChannelWiseTorchFP8ScaledMMLinearKernel``, ``torch._scaled_mm`` of the codes, then
-    ``output * x_scale * weight_scale.t()``). A product of two E4M3 codes is exact in FP32 and the
-    sums of the demo's rows are too, so the order of summation does not show. Dequantizing the
-    operands first, to BF16 or even to FP32, rounds where the engine does not: on the demo that
-    alone moved 1.1 to 1.5% of the top tokens on answers."""
-    q, scale = fp8_per_token_codes(x)
+def fp8_static_codes(x: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A static FP8 input (one stored ``input_scale``) as the engine quantizes it: values times the
+    scale's reciprocal, E4M3 (``QuantFP8`` static, ``scaled_fp8_quant``). Returns the codes and the
+    scale, a 0-d FP32 tensor."""
+    scale = scale.float().reshape(())
+    return (x.float() * scale.reciprocal()).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn), scale
+
+
+def fp8_static_activations(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """The same input dequantized, in ``x``'s dtype."""
+    q, scale = fp8_static_codes(x, scale)
+    return (q.float() * scale).to(x.dtype)
+
+
+def fp8_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    weight_scale: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    input_scale: torch.Tensor | None = None,
+    row_scale: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """An FP8 layer's product as the engine computes it: E4M3 ``weight`` codes (in any dtype that
+    holds them) with one ``weight_scale`` per output channel or one for the tensor, the input
+    quantized per token, or with the stored ``input_scale`` (static). The codes are multiplied with
+    FP32 sums, then the input's and the weight's scales (and ``row_scale``, a routed expert's
+    routing weight per row) applied to the sums and the result rounded once to ``x``'s dtype: vLLM's
+    CUTLASS ``scaled_mm`` epilogue on GPUs, its CPU kernel (``ChannelWiseTorchFP8ScaledMMLinearKernel``:
+    ``torch._scaled_mm`` of the codes, then ``output * x_scale * weight_scale.t()``), and its Triton
+    fused-MoE kernel for routed experts (``accumulator * a_scale * b_scale``, times the routing
+    weight in the second product). A product of two E4M3 codes is exact in FP32 and the demo's sums
+    are too, so the order of summation does not show; dequantizing the operands first, to BF16 or
+    even to FP32, rounds where the engine does not, which on the demo moved 1 to 1.5% of the top
+    tokens on answers."""
+    q, scale = fp8_per_token_codes(x) if input_scale is None else fp8_static_codes(x, input_scale)
     sums = q.reshape(-1, q.shape[-1]).float() @ weight.float().T
-    out = sums * scale.reshape(-1, 1) * weight_scale.float().reshape(1, -1)
+    out = sums * (scale.reshape(-1, 1) if input_scale is None else scale) * weight_scale.float().reshape(1, -1)
+    if row_scale is not None:
+        out = out * row_scale.float().reshape(-1, 1)
     if bias is not None:
         out = out + bias.float()
     return out.reshape(*x.shape[:-1], -1).to(x.dtype)
 
 
-def fp8_static_activations(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """A static FP8 input (one stored ``input_scale``) as the engine quantizes and dequantizes it:
-    values times the scale's reciprocal, E4M3 (``QuantFP8`` static, ``scaled_fp8_quant``)."""
-    scale = scale.float().reshape(())
-    q = (x.float() * scale.reciprocal()).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
-    return (q.float() * scale).to(x.dtype)
+def fp8_experts(
+    hidden: torch.Tensor,
+    top_k_index: torch.Tensor,
+    top_k_weights: torch.Tensor,
+    act_fn: Callable[[torch.Tensor], torch.Tensor],
+    expert: Callable[[int], tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]],
+    count: int,
+    input_scales: tuple[torch.Tensor, torch.Tensor],
+) -> torch.Tensor:
+    """A routed-experts layer in FP8 as the engine computes it, for transformers' experts forward:
+    ``expert(e)`` gives expert ``e``'s gate/up codes and scale and its down codes and scale (one
+    scale per tensor), asked only of experts that got rows; ``input_scales`` are the layer's static
+    input scales of the two products. Each expert's first product is rounded to ``hidden``'s dtype,
+    its activation computed there, and the second product carries the routing weight before its one
+    rounding (``fp8_linear``); an expert's rows come by slot, then token, as transformers' loop takes
+    them."""
+    out = torch.zeros_like(hidden)
+    for e in range(count):
+        slot, rows = torch.where((top_k_index == e).T)
+        if rows.numel() == 0:
+            continue
+        gate_up, gate_up_scale, down, down_scale = expert(e)
+        gate, up = fp8_linear(hidden[rows], gate_up, gate_up_scale, input_scale=input_scales[0]).chunk(2, dim=-1)
+        weights = top_k_weights[rows, slot]
+        y = fp8_linear(act_fn(gate) * up, down, down_scale, input_scale=input_scales[1], row_scale=weights)
+        out.index_add_(0, rows, y.to(out.dtype))
+    return out
 
 
 MXFP4_BLOCK = 32

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ..formats.engine import (
+    fp8_experts,
     fp8_linear,
     fp8_per_token_activations,
     fp8_static_activations,
@@ -97,6 +98,32 @@ def fp8_gemm_forward(module: Any, x: torch.Tensor) -> torch.Tensor:
     weight: torch.Tensor = module._parameters["weight"]  # the weight itself, not ModelOpt's fake-quantized view
     codes, scale = fp8_codes(weight, module.weight_quantizer._amax.to(weight.device))
     return fp8_linear(x, codes, scale, module.bias)
+
+
+def is_fp8_experts(module: torch.nn.Module) -> bool:
+    """Whether ``module`` is ModelOpt's quantized fused experts in FP8 with static inputs (routed
+    experts in an FP8 checkpoint), which the engine computes with its FP8 product."""
+    weights, inputs = getattr(module, "gate_up_proj_weight_quantizers", None), getattr(module, "gate_up_proj_input_quantizer", None)
+    if not weights or inputs is None or not (weights[0].is_enabled and inputs.is_enabled):
+        return False
+    return tuple(weights[0].num_bits) == tuple(inputs.num_bits) == (4, 3) and getattr(inputs, "_amax", None) is not None
+
+
+def fp8_experts_forward(module: Any, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
+    """Calibrated FP8 routed experts as the engine computes them from the checkpoint's codes
+    (``formats.engine.fp8_experts``), for comparison with the independent reload bit for bit."""
+    gate_up, down = module._parameters["gate_up_proj"], module._parameters["down_proj"]
+
+    def codes(weight: torch.Tensor, quantizer: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        return fp8_codes(weight, quantizer._amax.to(weight.device))
+
+    def expert(e: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        gate_up_codes, gate_up_scale = codes(gate_up[e], module.gate_up_proj_weight_quantizers[e])
+        return (gate_up_codes, gate_up_scale, *codes(down[e], module.down_proj_weight_quantizers[e]))
+
+    inputs = (module.gate_up_proj_input_quantizer, module.down_proj_input_quantizer)
+    scales = (inputs[0]._amax.to(hidden.device).float() / E4M3_MAX, inputs[1]._amax.to(hidden.device).float() / E4M3_MAX)
+    return fp8_experts(hidden, top_k_index, top_k_weights, module.act_fn, expert, gate_up.shape[0], scales)
 
 
 def _amax(calibrated: torch.Tensor | None, inputs: torch.Tensor) -> torch.Tensor:

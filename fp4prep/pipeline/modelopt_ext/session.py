@@ -69,8 +69,9 @@ class Session:
         engine's (inputs), as fp4prep's backends compute them.
 
         On the CPU they already run them; on CUDA, ModelOpt's kernels calibrated the weights and
-        this makes the model bit-comparable with the checkpoint's independent reload. Dense FP8
-        layers then compute their product as the engine does (``backend.fp8_gemm_forward``).
+        this makes the model bit-comparable with the checkpoint's independent reload. FP8 layers
+        then compute their products as the engine does (``backend.fp8_gemm_forward``, routed experts'
+        ``backend.fp8_experts_forward``).
         """
         from modelopt.torch.quantization.nn import TensorQuantizer
 
@@ -78,9 +79,10 @@ class Session:
         for name, module in model.named_modules():
             if isinstance(module, TensorQuantizer) and module.is_enabled and backend.handles(module.num_bits):
                 module.backend = backend.INPUTS if name.endswith("input_quantizer") else backend.NAME
-            elif backend.is_fp8_gemm(module):
+            elif backend.is_fp8_gemm(module) or backend.is_fp8_experts(module):
                 # The engine multiplies an FP8 layer's codes and applies the scales after.
-                module.forward = partial(backend.fp8_gemm_forward, module)
+                forward = backend.fp8_gemm_forward if backend.is_fp8_gemm(module) else backend.fp8_experts_forward
+                module.forward = partial(forward, module)
                 self._undo.append(partial(vars(module).pop, "forward", None))
 
     def keep_block_scales(self, model: torch.nn.Module, directory: Path) -> BlockScales:

@@ -22,6 +22,7 @@ from ..device import Compute
 from ..formats import ROUTED_EXPERTS, declared
 from ..formats.engine import (
     engine_layers,
+    fp8_experts,
     fp8_linear,
     fp8_per_token_activations,
     fp8_static_activations,
@@ -127,6 +128,48 @@ class DequantizedWeights(LazyWeights):
         }
         self.as_codes.update(gemms.values())
         return gemms
+
+    def fp8_expert_parts(self) -> dict[str, list[list[str]]]:
+        """Per fused expert tensor of the model whose experts are FP8 with a static input scale (routed
+        experts in an FP8 checkpoint), each expert's stored modules in the order they are stacked;
+        from now on their weights are read as codes (``formats.engine.fp8_experts``)."""
+        if self.gpt_oss is not None:
+            return {}
+        names, packed = set(self.source.names()), self.declared.layout.packed_name
+        found = {}
+        for model, fused in self.names.fused.items():
+            per_expert = fused.per_expert()
+            if per_expert is None:
+                continue
+            modules = [[part.removesuffix(".weight") for part in parts] for parts in per_expert]
+            first = modules[0][0]
+            if first in self.quantized and f"{first}.input_scale" in names \
+                    and self.source.stored_dtype(f"{first}.{packed}") == torch.float8_e4m3fn:
+                found[model] = modules
+                self.as_codes.update(m for parts in modules for m in parts)
+        return found
+
+    def fp8_experts_forward(self, module: Any, name: str, parts: dict[str, list[list[str]]]) -> Callable[..., torch.Tensor]:
+        """The forward of the experts module ``name`` (FP8, codes in its weights) as the engine computes it."""
+        gate_up, down = parts[f"{name}.gate_up_proj"], parts[f"{name}.down_proj"]
+        names = set(self.source.names())
+        inputs = (self._group_input_scale(gate_up[0][0], "input_scale", names), self._group_input_scale(down[0][0], "input_scale", names))
+
+        def scale(parts: list[str]) -> torch.Tensor:
+            # One scale per expert and projection: the engine builds gate and up as one tensor.
+            scales = {float(self.source.raw(f"{m}.weight_scale")) for m in parts}
+            if len(scales) != 1:
+                raise ValueError(f"{', '.join(parts)} store different FP8 scales, which the engine would requantize to their largest")
+            return self.source.raw(f"{parts[0]}.weight_scale").to(self.device)
+
+        def forward(hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
+            def expert(e: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+                return module.gate_up_proj[e], scale(gate_up[e]), module.down_proj[e], scale(down[e])
+
+            scales = (inputs[0].to(hidden.device), inputs[1].to(hidden.device))
+            return fp8_experts(hidden, top_k_index, top_k_weights, module.act_fn, expert, len(gate_up), scales)
+
+        return forward
 
     def stored_shape(self, name: str) -> tuple[int, ...]:
         module = name.rpartition(".")[0]
@@ -270,6 +313,7 @@ def load(
     weights = DequantizedWeights(directory, compute.dtype, compute.device, numerics)
     linear, experts = weights.model_activations() if quantize_activations else ({}, {})
     fp8 = weights.fp8_gemms() if quantize_activations else {}
+    fp8_parts = weights.fp8_expert_parts() if quantize_activations else {}
 
     def engine_numerics(model: torch.nn.Module) -> None:
         for name, module in model.named_modules():
@@ -280,7 +324,9 @@ def load(
                 module.register_forward_pre_hook(lambda m, args, q=linear[name]: (q(args[0]),) + tuple(args[1:]))
             gate_up = getattr(module, "gate_up_proj", None)
             gu, down = experts.get(f"{name}.gate_up_proj"), experts.get(f"{name}.down_proj")
-            if isinstance(gate_up, torch.Tensor) and gate_up.dim() == 3 and (gu or down):
+            if f"{name}.gate_up_proj" in fp8_parts and f"{name}.down_proj" in fp8_parts:
+                module.forward = weights.fp8_experts_forward(module, name, fp8_parts)
+            elif isinstance(gate_up, torch.Tensor) and gate_up.dim() == 3 and (gu or down):
                 n = gate_up.shape[0]
                 module.forward = _quantized_experts_forward(module, gu or [_identity] * n, down or [_identity] * n)
 
