@@ -63,7 +63,7 @@ class DequantizedWeights(LazyWeights):
     ) -> None:
         self.numerics = numerics
         # Modules read as their E4M3 codes, not dequantized: the engine's FP8 product applies their
-        # scales after the sums (``fp8_gemms``, ``formats.engine.fp8_linear``).
+        # scales after the sums (``fp8_gemms`` and ``fp8_expert_parts`` add them).
         self.as_codes: set[str] = set()
         self.config = read_config(directory)
         # Per engine layer (``layers``): Marlin's block-scale factor, the largest input scale.
@@ -188,9 +188,9 @@ class DequantizedWeights(LazyWeights):
             return self.source.raw(name).to(self.device, self.dtype)
         layout, block_scale, source = self.declared.layout, self.declared.format.block_scale, self.source
         packed = source.raw(f"{module}.{layout.packed_name}").to(self.device)
-        scale = source.raw(f"{module}.weight_scale").to(self.device)
         if module in self.as_codes:
             return packed.to(self.dtype)  # E4M3 codes are exact in BF16 and FP32
+        scale = source.raw(f"{module}.weight_scale").to(self.device)
         if packed.dtype == torch.float8_e4m3fn:  # FP8, also the FP8 layers of a mixed-precision checkpoint
             weight = dequantize_fp8(packed, scale)
         elif block_scale == "e4m3":
