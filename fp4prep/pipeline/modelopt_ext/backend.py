@@ -15,6 +15,7 @@ backend keeps the last few quantizations it made, for the projections that read 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -77,6 +78,13 @@ class InputBackend:
             return mxfp4_activations(inputs)
         global_scale = nvfp4_global_scale_of(_amax(quantizer.amax, inputs))
         return self.recent.get_or_make(inputs, block_size, global_scale)
+
+
+def fp8_forward_of(module: torch.nn.Module) -> Callable[..., torch.Tensor] | None:
+    """The engine's FP8 forward for ``module`` (given the module first), or None where it has none."""
+    if is_fp8_gemm(module):
+        return fp8_gemm_forward
+    return fp8_experts_forward if is_fp8_experts(module) else None
 
 
 def is_fp8_gemm(module: torch.nn.Module) -> bool:

@@ -79,9 +79,8 @@ class Session:
         for name, module in model.named_modules():
             if isinstance(module, TensorQuantizer) and module.is_enabled and backend.handles(module.num_bits):
                 module.backend = backend.INPUTS if name.endswith("input_quantizer") else backend.NAME
-            elif backend.is_fp8_gemm(module) or backend.is_fp8_experts(module):
+            elif forward := backend.fp8_forward_of(module):
                 # The engine multiplies an FP8 layer's codes and applies the scales after.
-                forward = backend.fp8_gemm_forward if backend.is_fp8_gemm(module) else backend.fp8_experts_forward
                 module.forward = partial(forward, module)
                 self._undo.append(partial(vars(module).pop, "forward", None))
 

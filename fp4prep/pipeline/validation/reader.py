@@ -83,15 +83,19 @@ class DequantizedWeights(LazyWeights):
             return
         self.declared = declared(self.config)
         self.source = TensorSource(directory)
-        names = set(self.source.names())
+        names = self.stored_names
         self.quantized = {n[: -len(".weight_scale")] for n in names if n.endswith(".weight_scale")}
         dense = [n for n in sorted(names) if n.rpartition(".")[0] not in self.quantized]
         dense += [f"{m}.weight" for m in sorted(self.quantized)]
         super().__init__(self.config, dense, dtype, device)
 
     @cached_property
+    def stored_names(self) -> set[str]:
+        return set(self.source.names())
+
+    @cached_property
     def activations(self) -> dict[str, ActivationQuant]:
-        names = set(self.source.names())
+        names = self.stored_names
         return {m: q for m in sorted(self.quantized) if (q := self._activation_quant(m, names))}
 
     def model_activations(self) -> tuple[dict[str, ActivationQuant], dict[str, list[ActivationQuant]]]:
@@ -118,7 +122,7 @@ class DequantizedWeights(LazyWeights):
         read as codes (``formats.engine.fp8_linear`` applies the scales)."""
         if self.gpt_oss is not None or not self.declared.dynamic_inputs:
             return {}
-        names = set(self.source.names())
+        names = self.stored_names
         gemms = {
             model[: -len(".weight")]: module
             for model, stored in self.names.plain.items()
@@ -135,7 +139,7 @@ class DequantizedWeights(LazyWeights):
         from now on their weights are read as codes (``formats.engine.fp8_experts``)."""
         if self.gpt_oss is not None:
             return {}
-        names, packed = set(self.source.names()), self.declared.layout.packed_name
+        names, packed = self.stored_names, self.declared.layout.packed_name
         found = {}
         for model, fused in self.names.fused.items():
             per_expert = fused.per_expert()
@@ -152,15 +156,19 @@ class DequantizedWeights(LazyWeights):
     def fp8_experts_forward(self, module: Any, name: str, parts: dict[str, list[list[str]]]) -> Callable[..., torch.Tensor]:
         """The forward of the experts module ``name`` (FP8, codes in its weights) as the engine computes it."""
         gate_up, down = parts[f"{name}.gate_up_proj"], parts[f"{name}.down_proj"]
-        names = set(self.source.names())
+        names = self.stored_names
         inputs = (self._group_input_scale(gate_up[0][0], "input_scale", names), self._group_input_scale(down[0][0], "input_scale", names))
+        scales: dict[tuple[str, ...], torch.Tensor] = {}  # read once, when the expert first gets rows
 
         def scale(parts: list[str]) -> torch.Tensor:
-            # One scale per expert and projection: the engine builds gate and up as one tensor.
-            scales = {float(self.source.raw(f"{m}.weight_scale")) for m in parts}
-            if len(scales) != 1:
-                raise ValueError(f"{', '.join(parts)} store different FP8 scales, which the engine would requantize to their largest")
-            return self.source.raw(f"{parts[0]}.weight_scale").to(self.device)
+            key = tuple(parts)
+            if key not in scales:
+                # One scale per expert and projection: the engine builds gate and up as one tensor.
+                stored = [self.source.raw(f"{m}.weight_scale") for m in parts]
+                if len({float(s) for s in stored}) != 1:
+                    raise ValueError(f"{', '.join(parts)} store different FP8 scales, which the engine would requantize to their largest")
+                scales[key] = stored[0].to(self.device)
+            return scales[key]
 
         def forward(hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
             def expert(e: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
