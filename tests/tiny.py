@@ -110,9 +110,12 @@ def save_adapter(
     return path
 
 
-def save_expert_adapter(base_dir: Path, path: Path, *, r: int = 4, alpha: int = 8, seed: int = 1) -> Path:
+def save_expert_adapter(
+    base_dir: Path, path: Path, *, r: int = 4, alpha: int = 8, seed: int = 1, b_std: float = 0.02
+) -> Path:
     """A PEFT adapter on the routed experts' fused 3-D tensors (``target_parameters``, as PEFT
-    trains MoE experts on transformers 5) and on attention, LoRA-B non-zero as after training."""
+    trains MoE experts on transformers 5) and on attention, LoRA-B non-zero as after training
+    (normal, standard deviation ``b_std``)."""
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
@@ -126,7 +129,7 @@ def save_expert_adapter(base_dir: Path, path: Path, *, r: int = 4, alpha: int = 
     with torch.no_grad():
         for name, param in peft_model.named_parameters():
             if "lora_B" in name:
-                param.normal_(0, 0.02)
+                param.normal_(0, b_std)
     peft_model.save_pretrained(path)
     return path
 
