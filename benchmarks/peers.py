@@ -207,15 +207,19 @@ def quantize(case: Case, quantizer: str, fmt: str, out: Path) -> dict[str, Any]:
         dtype = str(resolve("cpu").dtype).removeprefix("torch.")  # what fp4prep computes in on this CPU
         command = [str(environment(tool)), str(ROOT / "benchmarks" / "peer_quantize.py"), tool, method, SCHEMES[tool][fmt],
                    str(case.merged), str(case.sequences), str(out), dtype]
+    # The quantizer's own output, kept (a long run's progress can be followed there while it runs).
+    logs = data_dir() / "logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    log_path = logs / f"{case.base}-{case.task}-{fmt}-{quantizer}.log"
+    print(f"{quantizer}: its output goes to {log_path}", file=sys.stderr, flush=True)
     started = time.perf_counter()
-    with tempfile.TemporaryFile() as log:
+    with log_path.open("wb") as log:
         process = subprocess.Popen(command, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
         peak = _peak_memory(process)
         seconds = time.perf_counter() - started
-        if process.returncode != 0:
-            log.seek(0)
-            tail = log.read().decode(errors="replace").strip().splitlines()[-5:]
-            return {"failed": " / ".join(tail)[-600:]}
+    if process.returncode != 0:
+        tail = log_path.read_text(errors="replace").strip().splitlines()[-5:]
+        return {"failed": " / ".join(tail)[-600:]}
     return {"seconds": seconds, "peak_bytes": peak}
 
 
