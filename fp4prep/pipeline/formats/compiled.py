@@ -37,16 +37,27 @@ class Compiled(Generic[R]):
     every size symbolic it is not (an NVFP4 activation of 2048 × 576 in BF16: 27 ms against 2.8).
     Otherwise every size is symbolic: one graph, for arguments whose shapes all vary together.
 
+    With ``compile_after``, the first that many calls (of at least ``min_values``) in a process run
+    eager: for a function whose compile costs more than a small job's eager calls do. ``eager``, if
+    given, is what runs uncompiled: the same values as ``fn`` in fewer operations, where the form that
+    compiles best is not the one that runs best in eager torch.
+
     Where compilation fails (no C++ compiler) the eager function runs, with a warning the first
     time; ``FP4PREP_COMPILE=0`` asks for eager torch throughout. Compiling changes speed, never a
     value: the compiled function is a cache of this process, like torch's own.
     """
 
-    def __init__(self, fn: Callable[..., R], min_values: int = MIN_VALUES, rows_vary: bool = False) -> None:
+    def __init__(
+        self, fn: Callable[..., R], min_values: int = MIN_VALUES, rows_vary: bool = False, compile_after: int = 0,
+        eager: Callable[..., R] | None = None,
+    ) -> None:
         functools.update_wrapper(self, fn)
-        self.eager = fn
+        self.fn = fn
+        self.eager = eager or fn
         self.min_values = min_values
         self.rows_vary = rows_vary
+        self.compile_after = compile_after
+        self.eager_calls = 0
         self.available = True
         self._compiled: Callable[..., R] | None = None
 
@@ -54,11 +65,14 @@ class Compiled(Generic[R]):
         wanted = os.environ.get("FP4PREP_COMPILE", "1") != "0"
         if not (wanted and self.available) or x.device.type != "cpu" or x.numel() < self.min_values:
             return self.eager(x, *args, **kwargs)
+        if self.eager_calls < self.compile_after:
+            self.eager_calls += 1
+            return self.eager(x, *args, **kwargs)
         import torch._dynamo.config
         import torch._inductor.config
 
         if self._compiled is None:
-            self._compiled = torch.compile(self.eager, dynamic=not self.rows_vary)
+            self._compiled = torch.compile(self.fn, dynamic=not self.rows_vary)
         if self.rows_vary:
             x = x.view(x.shape)  # marked, not the caller's tensor
             for dim in range(x.dim() - 1):
