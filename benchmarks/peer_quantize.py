@@ -74,6 +74,13 @@ def _autoround(model, tokenizer, method: str, scheme: str, sequences: list[list[
         seqlen=max(len(s) for s in sequences), device_map="cpu", **options,
     )
     rounder.quantize_and_save(str(out), format="llm_compressor")
+    # It writes into a folder of its own naming under ``out`` (``<model>-nvfp-w4g16``): moved up, so
+    # that ``out`` holds the checkpoint as every other quantizer's does.
+    written = [c.parent for c in out.rglob("config.json") if c.parent != out]
+    if len(written) == 1:
+        for item in written[0].iterdir():
+            item.rename(out / item.name)
+        written[0].rmdir()
 
 
 def main(argv: list[str]) -> None:
