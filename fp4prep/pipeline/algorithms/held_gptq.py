@@ -50,7 +50,8 @@ from ..model.layer_walk import Walk, held, run_layer
 from ..model.merge import MergedWeights
 from ..model.releases import BaseSource, QuantizedTensor
 from ..model.streaming import decoder_layers
-from .gptq import BLOCK, CHUNK, _Input, expert_hessian_bytes, gptq_rounding
+from .gptq import _Input, expert_hessian_bytes, gptq_rounding
+from .gptq_update import BLOCK, CHUNK
 from .held_inputs import Paired, Placed, Target, chunks, gather, placed, rounded_in
 from .held_inputs import stages as staged
 from .held_scales import nearest

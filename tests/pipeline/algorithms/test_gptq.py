@@ -8,7 +8,7 @@ import torch
 from modelopt.torch.quantization.utils.calib_utils import compute_hessian_inverse, gptq_blockwise_update
 from torch import nn
 
-from fp4prep.pipeline.algorithms import gptq
+from fp4prep.pipeline.algorithms import gptq, gptq_update
 from fp4prep.pipeline.formats import numerics
 
 
@@ -32,17 +32,17 @@ def round_to_nearest(weight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor
 @pytest.mark.parametrize("compile", [True, False], ids=["compiled", "eager"])
 def test_the_update_rounds_as_modelopts_reference_does(compile: bool, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("FP4PREP_COMPILE", "1" if compile else "0")
-    monkeypatch.setattr(gptq._round_group, "compile_after", 0)  # compiled from the first group
+    monkeypatch.setattr(gptq_update._round_group, "compile_after", 0)  # compiled from the first group
     weight, h_inv, scales = problem()
     reference = weight.clone()
     # ModelOpt's own column-by-column algorithm, quantizing the whole matrix for every column.
     gptq_blockwise_update(reference, h_inv, 128, lambda w: round_to_nearest(w, scales))
     ours = weight.clone()
-    gptq.gptq_update(ours, h_inv, scales, 16, 128)
+    gptq_update.gptq_update(ours, h_inv, scales, 16, 128)
     if compile:  # a process compiles once it has rounded enough groups: the values may not change then
         monkeypatch.setenv("FP4PREP_COMPILE", "0")
         eager = weight.clone()
-        gptq.gptq_update(eager, h_inv, scales, 16, 128)
+        gptq_update.gptq_update(eager, h_inv, scales, 16, 128)
         assert torch.equal(ours, eager)
     # The same codes but where summing in another order lands a value on the other side of a
     # rounding boundary: a handful in 147,456.
@@ -61,7 +61,7 @@ def test_the_update_rounds_as_modelopts_reference_does(compile: bool, monkeypatc
 def test_the_update_refuses_columns_that_do_not_split_into_scale_blocks() -> None:
     weight, h_inv, scales = problem(rows=32)
     with pytest.raises(Exception, match="groups of 16"):
-        gptq.gptq_update(weight, h_inv, scales, 16, 120)
+        gptq_update.gptq_update(weight, h_inv, scales, 16, 120)
 
 
 @pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
