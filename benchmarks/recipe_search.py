@@ -94,8 +94,6 @@ for dtype in (torch.bfloat16, torch.float32):
     for shape in ((1024, 576), (2, 512, 576)):
         numerics.nvfp4_fake_quant(torch.randn(shape, dtype=dtype), 16, torch.tensor(3.0))
         numerics.mxfp4_fake_quant(torch.randn(shape, dtype=dtype), 32)
-from fp4prep.pipeline.algorithms import gptq
-gptq.gptq_update(torch.randn(1024, 32), torch.eye(32), torch.ones(1024, 2), 16, 32)
 for dtype in (torch.bfloat16, torch.float32):
     numerics.static_nvfp4_fake_quant(torch.randn(1024, 576, dtype=dtype), torch.rand(1024 * 36), torch.tensor(3.0))
 measure = Thresholds(continuation_top1=0, answer_kl=1e9, identical_greedy=0, adapter_retention=-1e9, reload_max_logit_diff=1e-3)
