@@ -16,7 +16,9 @@ fp4prep's recipe calibrates on (the demo's conversations and general text, 16 ×
   ``fp4prep-nearest-exponents``: MXFP4 with GPTQ on compressed-tensors' block exponents (each block's
   largest value rounded to the nearest power of two); ``fp4prep-best-exponents``: of each block's
   two candidate powers, the one whose rounding moves the outputs less; ``fp4prep-every-token``: GPTQ's Hessians from
-  every calibration token (the recipe takes every second).
+  every calibration token (the recipe takes every second); ``fp4prep-other-scales``: NVFP4's block
+  scales the other way (``Gptq.nv_scales``: max calibration's where the recipe searches them on
+  each block's outputs, and back).
 
 Every export is then scored by the same code, fp4prep's reader (each weight dequantized as vLLM
 dequantizes it, each quantized layer's input quantized as vLLM quantizes it for the format),
@@ -70,6 +72,7 @@ QUANTIZERS = {
     "fp4prep-nearest-exponents": ("fp4prep", "nearest-exponents"),
     "fp4prep-every-token": ("fp4prep", "every-token"),
     "fp4prep-best-exponents": ("fp4prep", "best-exponents"),
+    "fp4prep-other-scales": ("fp4prep", "other-scales"),
 }
 # Each tool's name for the format, as fp4prep writes it (NVFP4: weights and inputs; MXFP4: weights).
 SCHEMES = {"llmcompressor": {"nvfp4": "NVFP4", "mxfp4": "MXFP4A16"}, "autoround": {"nvfp4": "NVFP4", "mxfp4": "MXFP4A16"}}
@@ -97,7 +100,8 @@ recipe = recipe_for(fmt)
 change = {"other-order": lambda s: {"activation_order": not s.activation_order},
           "nearest-exponents": lambda s: {"mx_exponents": "nearest"},
           "best-exponents": lambda s: {"mx_exponents": "best"},
-          "every-token": lambda s: {"hessian_stride": 1}}[candidate]
+          "every-token": lambda s: {"hessian_stride": 1},
+          "other-scales": lambda s: {"nv_scales": "max" if s.nv_scales == "search" else "search"}}[candidate]
 recipe = dataclasses.replace(
     recipe, steps=tuple(dataclasses.replace(s, **change(s)) if isinstance(s, Gptq) else s for s in recipe.steps))
 run(PipelineConfig(base_dir=Path(base), adapter_dir=Path(adapter), output_dir=Path(out), quantization=fmt,

@@ -72,6 +72,10 @@ class Gptq:
     # the whole block; "nearest", compressed-tensors' (its largest value rounded to the nearest
     # power); "best", of the ceiling's and the finer one, the one whose rounding moves outputs less.
     mx_exponents: str = "ceil"
+    # NVFP4 only, each block's E4M3 scale: "max", the one max calibration gives (it holds the block's
+    # largest value); "search", of the codes around it, the one whose rounding moves the block's
+    # outputs least (``algorithms/scale_search.py``).
+    nv_scales: str = "max"
 
     def check(self) -> None:
         if self.hessian_stride < 1:
@@ -80,6 +84,8 @@ class Gptq:
             raise ValueError(f"Gptq.damp must be in (0, 1], not {self.damp}")
         if self.mx_exponents not in ("ceil", "nearest", "best"):
             raise ValueError(f"Gptq.mx_exponents is 'ceil', 'nearest' or 'best', not {self.mx_exponents!r}")
+        if self.nv_scales not in ("max", "search"):
+            raise ValueError(f"Gptq.nv_scales is 'max' or 'search', not {self.nv_scales!r}")
 
 
 Step = AwqSearch | Gptq
@@ -112,6 +118,8 @@ class Recipe:
         gptq = self.gptq
         if gptq is not None and gptq.mx_exponents != "ceil" and self.format.block_scale != "e8m0":
             raise ValueError(f"{self.format.name} has no power-of-two block scales to choose")
+        if gptq is not None and gptq.nv_scales != "max" and self.format.block_scale != "e4m3":
+            raise ValueError(f"{self.format.name} has no E4M3 block scales to search")
         if self.fp8_modules and self.format.name != "nvfp4":
             # vLLM's ModelOpt mixed-precision loader reads FP8 and NVFP4 layers, not MXFP4 ones.
             raise ValueError(f"{self.format.name} keeps no projections in FP8: only NVFP4 mixes with FP8")
@@ -147,6 +155,8 @@ class Recipe:
         words = self.awq.describe() if self.awq else "max"
         if self.gptq:
             words += ", then GPTQ against " + ("static weight scales" if self.static_weight_scales else "each block's own scale")
+            if self.gptq.nv_scales == "search":
+                words += " searched on each block's outputs"
             if self.gptq.activation_order:
                 words += " in activation order"
             if self.gptq.mx_exponents != "ceil":
@@ -164,8 +174,11 @@ RECIPES: dict[str, Recipe] = {
         FORMATS["nvfp4"],
         # GPTQ in activation order (the inputs that weigh most rounded first): on 60 held-back
         # conversations KL on answers 0.052 -> 0.048 on the dense demo's sentiment adapter, 0.057 ->
-        # 0.043 on the MoE demo's: benchmarks/peers.py (fp4prep-other-order).
-        steps=(AwqSearch(alpha_step=0.5), Gptq(hessian_stride=2, activation_order=True)),
+        # 0.043 on the MoE demo's: benchmarks/peers.py (fp4prep-other-order). Block scales searched
+        # on each block's outputs: 0.0398 -> 0.0308 (dense sentiment), 0.0168 -> 0.0162 (orders),
+        # 0.0374 -> 0.0358 (dates), 0.0462 -> 0.0421 (MoE sentiment), tasks unchanged
+        # (fp4prep-other-scales).
+        steps=(AwqSearch(alpha_step=0.5), Gptq(hessian_stride=2, activation_order=True, nv_scales="search")),
         thresholds=Thresholds(
             continuation_top1=0.9, answer_kl=0.3, identical_greedy=0.5, adapter_retention=0.5, reload_max_logit_diff=1e-3
         ),

@@ -21,6 +21,8 @@ from .helpers import run_tiny
 AWQ = (AwqSearch(alpha_step=0.25),)
 # AWQ, then GPTQ on the folded weights (against static weight scales for NVFP4).
 AWQ_GPTQ = (AwqSearch(alpha_step=0.25), Gptq(hessian_stride=1))
+# The same with NVFP4's block scales searched on each block's outputs (the quantizers' amax moved).
+AWQ_GPTQ_SEARCH = (AwqSearch(alpha_step=0.25), Gptq(hessian_stride=1, nv_scales="search"))
 
 
 def variant(fmt: str, steps: tuple[Any, ...]) -> Recipe:
@@ -43,8 +45,11 @@ def stored(directory: Path) -> dict[str, torch.Tensor]:
         ("llama", "nvfp4", AWQ_GPTQ),
         ("glm4_moe", "nvfp4", AWQ_GPTQ),
         ("llama", "mxfp4", AWQ_GPTQ),  # MXFP4's scales are the blocks' own
+        ("llama", "nvfp4", AWQ_GPTQ_SEARCH),
+        ("glm4_moe", "nvfp4", AWQ_GPTQ_SEARCH),  # routed experts' scales searched too
     ],
-    ids=["llama-nvfp4", "glm4_moe-nvfp4", "llama-mxfp4", "llama-nvfp4-gptq", "glm4_moe-nvfp4-gptq", "llama-mxfp4-gptq"],
+    ids=["llama-nvfp4", "glm4_moe-nvfp4", "llama-mxfp4", "llama-nvfp4-gptq", "glm4_moe-nvfp4-gptq", "llama-mxfp4-gptq",
+         "llama-nvfp4-gptq-search", "glm4_moe-nvfp4-gptq-search"],
 )
 def test_awq_scales_are_folded_away_and_the_checkpoint_is_the_plain_format(
     make_base: Any, tmp_path: Path, calibration_file: Path, arch: str, fmt: str, steps: tuple[Any, ...]
@@ -160,6 +165,8 @@ def test_max_calibrated_awq_checkpoints_have_block_scales_that_fit_their_weights
         ("nvfp4", ("gptq",), "a recipe's steps are AwqSearch and Gptq"),
         ("nvfp4", (Gptq(mx_exponents="nearest"),), "nvfp4 has no power-of-two block scales to choose"),
         ("mxfp4", (Gptq(mx_exponents="round"),), "Gptq.mx_exponents is 'ceil', 'nearest' or 'best', not 'round'"),
+        ("mxfp4", (Gptq(nv_scales="search"),), "mxfp4 has no E4M3 block scales to search"),
+        ("nvfp4", (Gptq(nv_scales="clip"),), "Gptq.nv_scales is 'max' or 'search', not 'clip'"),
     ],
 )
 def test_a_recipe_that_cannot_run_is_refused_when_it_is_built(fmt: str, steps: tuple[Any, ...], message: str) -> None:
@@ -173,7 +180,7 @@ def test_the_shipped_recipes_say_what_they_run() -> None:
     assert not RECIPES["fp8"].mutates_weights
     assert RECIPES["nvfp4"].calibration == (
         "AWQ search (alpha step 0.5), scales folded into the preceding norms and projections, "
-        "then GPTQ against static weight scales in activation order"
+        "then GPTQ against static weight scales searched on each block's outputs in activation order"
     )
     assert RECIPES["mxfp4"].calibration == "max, then GPTQ against each block's own scale in activation order"
 

@@ -40,6 +40,7 @@ import torch
 from ..errors import PipelineError
 from ..formats import of_quantizer
 from ..formats.numerics import E4M3_MAX, mxfp4_steps, static_nvfp4_scales
+from . import scale_search
 from .fold import Factors, calibrate_weights, static_scales
 from .gptq_update import BLOCK, gptq_update
 from .mixed import GroupError, e2m1, output_error
@@ -192,7 +193,7 @@ class _ExpertSlice:
 
 @torch.no_grad()
 def quantize_experts(
-    hessians: ExpertHessians, damp: float, order: bool = False, exponents: str = "ceil"
+    hessians: ExpertHessians, damp: float, order: bool = False, exponents: str = "ceil", nv_scales: str = "max"
 ) -> dict[str, list[int]]:
     """GPTQ on each gathered expert projection whose Hessian came from at least as many tokens as
     its input width; the others keep their max-calibrated weights. Returns, per expert module, the
@@ -211,7 +212,9 @@ def quantize_experts(
                 quantizer = quantizers[expert]
                 if not (_is_mxfp4(quantizer) or static_scales(quantizer)):
                     raise PipelineError(f"GPTQ needs static NVFP4 weight scales; {name}.{proj}[{expert}] has dynamic ones")
-                _update([_ExpertSlice(weight.data[expert], quantizer)], entry.hessian / entry.tokens, damp, order, exponents)
+                _update(
+                    [_ExpertSlice(weight.data[expert], quantizer)], entry.hessian / entry.tokens, damp, order, exponents, nv_scales
+                )
                 count[0] += 1
     return counts
 
@@ -224,7 +227,7 @@ def _is_mxfp4(quantizer: Any) -> bool:
 @torch.no_grad()
 def quantize_layer(
     layer: torch.nn.Module, hessians: Hessians, prefix: str, factors: Factors, damp: float, order: bool = False,
-    exponents: str = "ceil",
+    exponents: str = "ceil", nv_scales: str = "max",
 ) -> list[GroupError]:
     """Weight scales for the (folded) layer, then GPTQ's rounding of its weights.
 
@@ -256,7 +259,7 @@ def quantize_layer(
             hessian = hessian * c[:, None] * c[None, :]
         modules = [hessians.modules[n] for n in entry.names]
         before = [m.weight.detach().clone() for m in modules]
-        _update(modules, hessian, damp, order, exponents)
+        _update(modules, hessian, damp, order, exponents, nv_scales)
         moved = [output_error(w, m.weight, hessian) for w, m in zip(before, modules, strict=True)]
         errors.append(GroupError(
             tuple(prefix + n for n in entry.names), sum(e for e, _ in moved), sum(r for _, r in moved),
@@ -265,9 +268,13 @@ def quantize_layer(
     return errors
 
 
-def _update(modules: list[Any], hessian: torch.Tensor, damp: float, order: bool = False, exponents: str = "ceil") -> None:
+def _update(
+    modules: list[Any], hessian: torch.Tensor, damp: float, order: bool = False, exponents: str = "ceil", nv_scales: str = "max"
+) -> None:
     """GPTQ on the modules that read one input, their rows stacked into one matrix; ``order``,
-    ``exponents``: ``gptq_rounding``'s column order, ``numerics.mxfp4_steps``' rule for MXFP4 blocks."""
+    ``exponents``: ``gptq_rounding``'s column order, ``numerics.mxfp4_steps``' rule for MXFP4 blocks;
+    ``nv_scales``: NVFP4's block scales as max calibration set them (``max``) or searched on the
+    block's outputs first (``search``, ``scale_search.search``)."""
     weights = [m.weight.detach().float() for m in modules]
     weight = torch.cat(weights)
     device = weight.device
@@ -275,6 +282,11 @@ def _update(modules: list[Any], hessian: torch.Tensor, damp: float, order: bool 
     quantizers = [m.weight_quantizer for m in modules]
     group = int(quantizers[0].block_sizes.get(-1) or 16)
     mxfp4 = _is_mxfp4(quantizers[0])
+    if nv_scales == "search" and not mxfp4:
+        from modelopt.torch.quantization.utils.numeric_utils import fp8_max_for_normalization
+
+        for w, q in zip(weights, quantizers, strict=True):
+            scale_search.search(w, hessian, q, group, fp8_max_for_normalization(q))
     if order or mxfp4 or not _fused_nvfp4(weight, weights, quantizers, hessian, damp, group):
         scales = (
             mxfp4_steps(weight, group, exponents, hessian.diagonal()) if mxfp4 else _nvfp4_scales(weights, quantizers, group)

@@ -103,7 +103,7 @@ class LayerPass:
         errors: list[GroupError] = []
         if self.gptq and hessians is not None:
             errors = gptq.quantize_layer(
-                layer, hessians, prefix, factors, self.gptq.damp, self.gptq.activation_order, self.gptq.mx_exponents
+                layer, hessians, prefix, factors, self.gptq.damp, self.gptq.activation_order, self.gptq.mx_exponents, self.gptq.nv_scales
             )
         self._record(index, factors, rounded, errors)
         if self.measure_layers:
@@ -132,7 +132,7 @@ class LayerPass:
                 total[0] += done
                 total[1] += kept
 
-        add(gptq.quantize_experts(first, self.gptq.damp, self.gptq.activation_order, self.gptq.mx_exponents))
+        add(gptq.quantize_experts(first, self.gptq.damp, self.gptq.activation_order, self.gptq.mx_exponents, self.gptq.nv_scales))
         for chunk in rest:
             collector = gptq.ExpertHessians(layer, 1, chunk)
             try:
@@ -140,7 +140,7 @@ class LayerPass:
                     forward_loop(layer)
             finally:
                 collector.remove()
-            add(gptq.quantize_experts(collector, self.gptq.damp, self.gptq.activation_order, self.gptq.mx_exponents))
+            add(gptq.quantize_experts(collector, self.gptq.damp, self.gptq.activation_order, self.gptq.mx_exponents, self.gptq.nv_scales))
         return totals
 
     def _record(
