@@ -9,7 +9,8 @@ per input that several projections read (q/k/v, gate/up), and carried through th
 fold gave that input (``x * c`` has Hessian ``diag(c) H diag(c)``); projections that read one input
 are rounded together, as one matrix. NVFP4's weight scales are static (fixed per block before the
 update, as the checkpoint stores them), computed by ModelOpt's max calibration of the folded
-weights; MXFP4's are each block's own power of two (see ``quantize_layer``).
+weights and, where the recipe says so, searched on each block's outputs (``scale_search``); MXFP4's
+are each block's own power of two (see ``quantize_layer``).
 
 Routed experts, which transformers keeps stacked in one module per layer (and ModelOpt quantizes as
 such, with one weight quantizer per expert), are rounded per expert (``ExpertHessians``,
