@@ -63,7 +63,6 @@ def test_each_block_gets_the_best_of_the_codes_tried_and_never_a_worse_one_than_
         assert torch.all((after <= block_errors(weight, hessian, candidate) + 1e-6) | zeros)
 
 
-
 def test_a_weight_searched_a_few_rows_at_a_time_gets_the_same_scales(monkeypatch: pytest.MonkeyPatch) -> None:
     weight, hessian, whole = problem()
     chunked = types.SimpleNamespace(amax=whole.amax.clone(), global_amax=whole.global_amax)
