@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from ..formats.numerics import E2M1_MAX, quantize_to_scales
+from ..formats.numerics import E2M1_MAX, e2m1_round_magnitudes, nvfp4_scale_codes
 
 # E4M3 codes tried under the max-calibrated one (three: down to about 0.8x its scale). On the dense
 # demo in NVFP4 (KL on answers over 60 held-back conversations; max-calibrated scales: sentiment
@@ -41,8 +41,8 @@ def search(weight: torch.Tensor, hessian: torch.Tensor, quantizer: Any, group: i
     amax = quantizer.amax.reshape(rows, blocks).float().to(weight.device)
     top = quantizer.global_amax.float().to(weight.device)
     unit = top / (E2M1_MAX * fp8_max)  # one E4M3 code's worth of scale is code × unit
-    codes = (amax / E2M1_MAX / unit).clamp(min=2**-9, max=fp8_max).to(torch.float8_e4m3fn)
-    bits = codes.view(torch.uint8).to(torch.int16)
+    # The export's own arithmetic: the first code tried is the one max calibration's checkpoint holds.
+    bits = nvfp4_scale_codes(amax, top, fp8_max).view(torch.uint8).to(torch.int16)
     h = hessian.to(weight.device).reshape(blocks, group, blocks, group).diagonal(dim1=0, dim2=2).permute(2, 0, 1)
     step = max(1, ELEMENTS // columns)
     best = torch.cat([
@@ -60,10 +60,13 @@ def _best_codes(w: torch.Tensor, h: torch.Tensor, bits: torch.Tensor, unit: torc
     """Of each block's code (``bits``) and the ``BELOW`` under it, the one of least ``e Hb eᵀ``; a tie
     keeps the coarser (max calibration's first)."""
     best_bits, best_error = bits, torch.full(bits.shape, float("inf"), device=w.device)
+    magnitude, sign = w.abs(), w.sign()
     for offset in range(0, -BELOW - 1, -1):
         candidate = (bits + offset).clamp(min=1)
-        scale = candidate.to(torch.uint8).view(torch.float8_e4m3fn).float() * unit
-        error = quantize_to_scales(w, scale.unsqueeze(-1)) - w
+        scale = (candidate.to(torch.uint8).view(torch.float8_e4m3fn).float() * unit).unsqueeze(-1)
+        # What ``quantize_to_scales(w, scale) - w`` gives (every scale here is positive), in a third
+        # of its passes over the weights.
+        error = (e2m1_round_magnitudes(magnitude / scale) * scale - magnitude) * sign
         energy = torch.einsum("rbi,bij,rbj->rb", error, h, error)
         better = energy < best_error
         best_bits = torch.where(better, candidate, best_bits)

@@ -32,6 +32,23 @@ def e2m1_round(x: torch.Tensor, ties_to_even: bool = True) -> torch.Tensor:
     return torch.copysign(units * step, x.float())
 
 
+# E2M1's values and the points half-way between them, where ``|x|`` moves to the next value: at a
+# tie, half to even (0.25 -> 0, 0.75 -> 1, 1.25 -> 1, 1.75 -> 2, 2.5 -> 2, 3.5 -> 4, 5 -> 4), so the
+# ties that round up sit one float under their half-way point.
+_E2M1_VALUES = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
+_HALFWAY = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0])
+_E2M1_BOUNDS = torch.where(
+    torch.tensor([False, True, False, True, False, True, False]), torch.nextafter(_HALFWAY, torch.zeros(7)), _HALFWAY
+)
+
+
+def e2m1_round_magnitudes(m: torch.Tensor) -> torch.Tensor:
+    """``e2m1_round`` of a float32 tensor of values ``>= 0``, in two passes over it (a search among
+    E2M1's seven half-way points and a table) instead of a dozen: for searches that round a
+    tensor many times."""
+    return _E2M1_VALUES.to(m.device)[torch.bucketize(m, _E2M1_BOUNDS.to(m.device))]
+
+
 def _blocks(x: torch.Tensor, block_size: int) -> torch.Tensor:
     if x.shape[-1] % block_size:
         raise ValueError(f"last dimension {x.shape[-1]} is not a multiple of the block size {block_size}")
@@ -71,13 +88,19 @@ def static_nvfp4_scales(
     ModelOpt's Triton kernel rounds the same codes but forms the product in another order, which
     shows in the last bit of BF16 results; the checkpoint's order is the one that counts.
     """
-    scale = amax.float() / E2M1_MAX
     if not quantize:
-        return scale
+        return amax.float() / E2M1_MAX
     top = amax.float().amax() if global_amax is None else global_amax.float()
+    return nvfp4_scale_codes(amax, top, fp8_max).float() * (top / (E2M1_MAX * fp8_max))
+
+
+def nvfp4_scale_codes(amax: torch.Tensor, top: torch.Tensor, fp8_max: float = E4M3_MAX) -> torch.Tensor:
+    """The E4M3 code the export stores for each block of a static NVFP4 quantizer (``amax`` per
+    block, ``top`` the global amax): its step is the code times ``top / (6 * fp8_max)``. A block of
+    zeros gets the code of ``top`` (its weights are zeros on any step)."""
+    scale = amax.float() / E2M1_MAX
     scale = torch.where(scale == 0, torch.ones_like(scale), scale)
-    code = (scale * fp8_max / (top / E2M1_MAX)).clamp(min=2**-9, max=E4M3_MAX).to(torch.float8_e4m3fn).float()
-    return code * (top / (E2M1_MAX * fp8_max))
+    return (scale * fp8_max / (top.float() / E2M1_MAX)).clamp(min=2**-9, max=E4M3_MAX).to(torch.float8_e4m3fn)
 
 
 def quantize_to_scales(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:

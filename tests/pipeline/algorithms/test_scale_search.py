@@ -70,3 +70,17 @@ def test_a_weight_searched_a_few_rows_at_a_time_gets_the_same_scales(monkeypatch
     monkeypatch.setattr(scale_search, "ELEMENTS", 5 * COLUMNS)  # 10 chunks, the last of 3 rows
     scale_search.search(weight, hessian, chunked, GROUP, numerics.E4M3_MAX)
     assert torch.equal(chunked.amax, whole.amax)
+
+
+def test_where_no_finer_code_moves_the_outputs_less_the_checkpoint_holds_max_calibrations_steps() -> None:
+    # A Hessian of zeros: every code ties, and a tie keeps the first code tried, which must be the
+    # one the export computes from max calibration's amax (its own arithmetic, to the last bit).
+    # Block maxima half-way between two codes are where two orders of the same arithmetic part.
+    weight, hessian, quantizer = problem()
+    codes = torch.arange(1, 127, dtype=torch.uint8).view(torch.float8_e4m3fn).float()
+    halfway = ((codes[1:] + codes[:-1]) / 2).repeat(ROWS * COLUMNS // GROUP // 125 + 1)[: ROWS * COLUMNS // GROUP]
+    unit = quantizer.global_amax / (numerics.E2M1_MAX * numerics.E4M3_MAX)
+    quantizer.amax = (halfway * unit * numerics.E2M1_MAX).reshape(-1, 1)
+    max_steps = steps_of(quantizer)
+    assert scale_search.search(weight, torch.zeros_like(hessian), quantizer, GROUP, numerics.E4M3_MAX) == 0
+    assert torch.equal(steps_of(quantizer), max_steps)

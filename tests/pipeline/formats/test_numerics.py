@@ -103,6 +103,10 @@ def test_e2m1_rounds_half_to_even_for_nvfp4_and_down_for_mxfp4() -> None:
     mids = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 7.0])
     assert numerics.e2m1_round(mids).tolist() == [0.0, 1.0, 1.0, 2.0, 2.0, 4.0, 4.0, 6.0]
     assert numerics.e2m1_round(mids, ties_to_even=False).tolist() == [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0]
+    # The table form on magnitudes: the same values at every tie, every float next to one, and beyond.
+    near = torch.cat([mids, torch.nextafter(mids, torch.zeros(8)), torch.nextafter(mids, torch.full((8,), 9.0))])
+    magnitudes = torch.cat([near, torch.rand(100_000) * 7, torch.zeros(1), torch.tensor([6.0, 1e30])])
+    assert torch.equal(numerics.e2m1_round_magnitudes(magnitudes), numerics.e2m1_round(magnitudes))
 
 
 def test_mxfp4_nearest_exponents_are_compressed_tensors_block_scales() -> None:

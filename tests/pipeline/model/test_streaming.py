@@ -26,15 +26,20 @@ from ..helpers import TINY, run_tiny
 
 # The one thing a run keeps for every decoder layer is validation's prompt cache (each parity
 # prompt's keys and values), by design and within a budget fixed apart from depth (``kv_budget``):
-# the child gives it none, so that what grows with depth here is only what streaming holds.
+# the child gives it none, so that what grows with depth here is only what streaming holds. Its
+# recipe is NVFP4's GPTQ step alone, whose Hessians are what a layer's calibration holds most of
+# beside the weights; the AWQ search before it, which holds one layer's inputs as every stage does,
+# would take a fifth more time (2-core AVX2-only CPU).
 RUN_IN_CHILD = """
-import json, sys
-from fp4prep.pipeline import PipelineConfig, run
+import dataclasses, json, sys
+from fp4prep.pipeline import RECIPES, PipelineConfig, run
+from fp4prep.pipeline.recipes import Gptq
 from fp4prep.pipeline.validation import first_round, parity
 first_round.kv_budget = parity.kv_budget = lambda model: 0
+gptq = dataclasses.replace(RECIPES["nvfp4"], steps=tuple(s for s in RECIPES["nvfp4"].steps if isinstance(s, Gptq)))
 result = run(PipelineConfig(
     base_dir=sys.argv[1], output_dir=sys.argv[2], calibration_tokens=1024, sequence_length=256,
-    parity_prompts=4, continuation_tokens=4, quality_gate=False,
+    parity_prompts=4, continuation_tokens=4, quality_gate=False, recipe=gptq,
 ))
 print(json.dumps({"reload_max_logit_diff": result.reload_max_logit_diff}))
 """
