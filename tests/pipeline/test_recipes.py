@@ -180,7 +180,7 @@ def test_the_shipped_recipes_say_what_they_run() -> None:
     assert not RECIPES["fp8"].mutates_weights
     assert RECIPES["nvfp4"].calibration == (
         "AWQ search (alpha step 0.5), scales folded into the preceding norms and projections, "
-        "then GPTQ against static weight scales searched on each block's outputs in activation order"
+        "then GPTQ against static weight scales in activation order"
     )
     assert RECIPES["mxfp4"].calibration == "max, then GPTQ against each block's own scale in activation order"
 

@@ -122,7 +122,7 @@ def test_it_prepares_a_checkpoint_engines_load_as_is(
     # Blackwell by AWQ on its quantized inputs then GPTQ, FP8 by max.
     expected = {
         "nvfp4": "AWQ search (alpha step 0.5), scales folded into the preceding norms and projections, "
-                 "then GPTQ against static weight scales searched on each block's outputs in activation order",
+                 "then GPTQ against static weight scales in activation order",
         # Served on Blackwell only (below), where vLLM quantizes MXFP4 inputs: calibrated for them.
         "mxfp4": "AWQ search (alpha step 0.5), scales folded into the preceding norms and projections, "
                  "then GPTQ against each block's own scale in activation order, with the inputs quantized to MXFP4 as vLLM does on Blackwell",
