@@ -9,7 +9,9 @@ block's part of the outputs least: ``e Hb eᵀ`` per row, ``e`` the block's
 rounding error and ``Hb`` the block's 16 × 16 part of the inputs' Hessian (the exact output error
 of that block alone). The chosen code is written back as the quantizer's block amax, which is
 what the export turns into the stored scale, so GPTQ rounds on, and the checkpoint holds, the same
-scales. Routed experts go through the same code, each on its own tokens' Hessian.
+scales. Routed experts go through the same code, each on its own tokens' Hessian. An option of
+the recipe's GPTQ step (``Gptq.nv_scales="search"``), off in the shipped NVFP4 recipe: over six
+adapters it lowered KL on answers on three and raised it on three.
 """
 
 from __future__ import annotations
