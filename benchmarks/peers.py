@@ -73,7 +73,6 @@ QUANTIZERS = {
     "fp4prep-every-token": ("fp4prep", "every-token"),
     "fp4prep-best-exponents": ("fp4prep", "best-exponents"),
     "fp4prep-other-scales": ("fp4prep", "other-scales"),
-    "fp4prep-paired": ("fp4prep", "paired"),
 }
 # Each tool's name for the format, as fp4prep writes it (NVFP4: weights and inputs; MXFP4: weights).
 SCHEMES = {"llmcompressor": {"nvfp4": "NVFP4", "mxfp4": "MXFP4A16"}, "autoround": {"nvfp4": "NVFP4", "mxfp4": "MXFP4A16"}}
@@ -98,11 +97,7 @@ from fp4prep.pipeline import PipelineConfig, run
 from fp4prep.pipeline.recipes import Gptq, recipe_for
 base, adapter, fmt, calibration, out, candidate = sys.argv[1:]
 recipe = recipe_for(fmt)
-if candidate == "paired":
-    from fp4prep.pipeline.algorithms.layer_pass import LayerPass
-    LayerPass.paired = True
 change = {"other-order": lambda s: {"activation_order": not s.activation_order},
-          "paired": lambda s: {},
           "nearest-exponents": lambda s: {"mx_exponents": "nearest"},
           "best-exponents": lambda s: {"mx_exponents": "best"},
           "every-token": lambda s: {"hessian_stride": 1},

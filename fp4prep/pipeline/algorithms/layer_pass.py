@@ -25,7 +25,7 @@ import torch
 
 from ..errors import PipelineError
 from ..recipes import Recipe
-from . import awq, expert_awq, fold, gptq, paired
+from . import awq, expert_awq, fold, gptq
 from .mixed import GroupError
 
 
@@ -35,9 +35,6 @@ class LayerPass:
     # After the steps, one more pass of the layer's inputs measures what its quantization adds to
     # the residual stream (``layer_errors``): off unless asked for (benchmarks/mixed_precision.py).
     measure_layers = False
-    # GPTQ on the prepared model's inputs towards the merged model's outputs (``paired``): an
-    # experiment, off (benchmarks/peers.py's fp4prep-paired turns it on).
-    paired = False
 
     def __init__(
         self, recipe: Recipe, layers: dict[int, tuple[int, str]], factors_dir: Path | None = None, tokens: int = 0
@@ -46,7 +43,6 @@ class LayerPass:
         self.tokens = tokens  # calibration tokens each forward loop runs: what the search keeps of them
         self.layers = layers
         self.factors_dir = factors_dir
-        self.prepared = paired.PreparedStates()
         self.factors: fold.Factors = {}
         # Per routed-expert module: [projections GPTQ rounded, projections that kept max calibration].
         self.experts: dict[str, list[int]] = {}
@@ -105,11 +101,7 @@ class LayerPass:
                 awq.search_and_apply(searched, self.awq.alpha_step, self.awq.scored_tokens)
             factors.update(fold.fold_layer(layer, prefix))
         errors: list[GroupError] = []
-        if self.gptq and hessians is not None and self.paired and experts is None:
-            errors = paired.quantize_layer(
-                layer, forward_loop, hessians, prefix, self.prepared, self.gptq.damp, self.gptq.activation_order
-            )
-        elif self.gptq and hessians is not None:
+        if self.gptq and hessians is not None:
             errors = gptq.quantize_layer(
                 layer, hessians, prefix, factors, self.gptq.damp, self.gptq.activation_order, self.gptq.mx_exponents, self.gptq.nv_scales
             )
