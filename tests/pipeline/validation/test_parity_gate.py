@@ -92,8 +92,9 @@ def test_a_checkpoint_with_one_corrupted_layer_fails_on_parity(
     tensors = load_file(str(shard))
     # One layer's MLP output projection scrambled: its FP4 codes reversed along the rows. An early
     # layer's: its error reaches every layer after it (KL on answers 3.6-5.4 on the demo, against
-    # 0.045-0.051 sound, on an AVX512-BF16 CPU; 0.071 sound in FP32 on an AVX2-only one). The same scramble in layer 12 of 30 moved it to 0.089-0.145, within or just
-    # past the 0.12 bar depending on the recipe's rounding: a test of noise, not of the gate.
+    # 0.045-0.051 sound, on an AVX512-BF16 CPU; 0.071 sound in FP32 on an AVX2-only one). The same
+    # scramble in layer 12 of 30 moved it to 0.089-0.145, within or just past the 0.12 bar
+    # depending on the recipe's rounding: a test of noise, not of the gate.
     name = "model.layers.2.mlp.down_proj.weight"
     tensors[name] = torch.flip(tensors[name], dims=[0]).contiguous()
     save_file(tensors, str(shard), metadata={"format": "pt"})
